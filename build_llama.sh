@@ -1,0 +1,205 @@
+#!/usr/bin/env bash
+# Build the patched (or, with --stock, the pristine) llama-server from the pinned source.
+#
+#   build_llama.sh [--stock] [--native | --cuda] [--src DIR] [--jobs N] [--print-path] [--quiet]
+#
+# The source is the vendor/llama.cpp tree of the llama-cpp-python sdist named in
+# server_patch/upstream.env, fetched once with pip and verified by sha256. The patches in
+# server_patch/series are applied in order. The binary is cached outside the work tree,
+# keyed by source + patches + flags, so a second call with the same inputs is instant.
+# Progress goes to stderr; the path of the built binary is the only line on stdout.
+set -euo pipefail
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+patch_dir="$here/server_patch"
+# shellcheck source=server_patch/upstream.env
+source "$patch_dir/upstream.env"
+
+cache=${LLAMA_SIDECAR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llama-sidecar}
+python=${PYTHON:-python3}
+stock=0 native=0 cuda=0 src="" print_only=0 quiet=0
+jobs=${JOBS:-$(nproc 2>/dev/null || echo 2)}
+
+say()  { [ "$quiet" = 1 ] || printf '\033[1m[build_llama]\033[0m %s\n' "$*" >&2; }
+die()  { printf '\033[1;31m[build_llama] error:\033[0m %s\n' "$1" >&2; [ $# -lt 2 ] || printf '  what to do: %s\n' "$2" >&2; exit 1; }
+usage() { sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; cat <<EOF
+
+Options:
+  --stock        build the pinned source without the patch series (own cache slot)
+  --native       optimise for this CPU (-DGGML_NATIVE=ON; may SIGILL on AMX machines)
+  --cuda         build the CUDA backend (CUDA_ARCH env, default "native")
+  --src DIR      use a local llama.cpp checkout instead of the pinned sdist
+  --jobs N       parallel compile jobs (default: all cores)
+  --print-path   print where the binary is (or would be) and exit; 1 if not built yet
+  --quiet        no progress output
+Cache: \$LLAMA_SIDECAR_CACHE (now: $cache)
+EOF
+}
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --stock) stock=1 ;;
+        --native) native=1 ;;
+        --cuda) cuda=1 ;;
+        --src) [ $# -ge 2 ] || die "--src needs a directory"; src=$(cd "$2" && pwd) || die "no such directory: $2"; shift ;;
+        --jobs) [ $# -ge 2 ] || die "--jobs needs a number"; jobs=$2; shift ;;
+        --print-path) print_only=1 ;;
+        --quiet) quiet=1 ;;
+        -h|--help) usage; exit 0 ;;
+        *) usage >&2; die "unknown option: $1" "run $0 --help" ;;
+    esac
+    shift
+done
+[ "$native" = 1 ] && [ "$cuda" = 1 ] && die "--native and --cuda are exclusive"
+
+# ---- the configuration that defines a build --------------------------------------------------
+cmake_flags=(
+    -DCMAKE_BUILD_TYPE=Release
+    -DBUILD_SHARED_LIBS=OFF
+    -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF
+    -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_HTML=OFF
+    -DLLAMA_OPENSSL=OFF
+)
+if [ "$native" = 1 ]; then
+    cmake_flags+=(-DGGML_NATIVE=ON)
+    variant=native
+else
+    # Portable baseline: GGML_NATIVE would enable AMX here, and quantized matmuls then SIGILL.
+    cmake_flags+=(-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON)
+    variant=cpu
+fi
+if [ "$cuda" = 1 ]; then
+    cmake_flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-native}")
+    variant=cuda
+fi
+if command -v ccache >/dev/null 2>&1; then
+    cmake_flags+=(-DGGML_CCACHE=ON)
+    export CCACHE_DIR=${CCACHE_DIR:-$cache/ccache}
+    export CCACHE_SLOPPINESS=${CCACHE_SLOPPINESS:-time_macros,include_file_mtime,include_file_ctime}
+else
+    cmake_flags+=(-DGGML_CCACHE=OFF)
+fi
+
+series_files=()
+if [ "$stock" = 0 ]; then
+    [ -f "$patch_dir/series" ] || die "missing $patch_dir/series" "restore it from git"
+    while IFS= read -r line || [ -n "$line" ]; do
+        line=${line%%#*}; line=$(echo "$line" | xargs)
+        [ -z "$line" ] && continue
+        [ -f "$patch_dir/$line" ] || die "series names $line but $patch_dir/$line does not exist" \
+            "fix server_patch/series or restore the patch from git"
+        series_files+=("$patch_dir/$line")
+    done < "$patch_dir/series"
+fi
+
+if [ -n "$src" ]; then
+    src_id="src:$src"
+else
+    src_id="sdist:$SDIST_SHA256"
+fi
+key=$( {
+    echo "$src_id"
+    echo "stock=$stock variant=$variant cuda_arch=${CUDA_ARCH:-native}"
+    printf '%s\n' "${cmake_flags[@]}" | grep -v CCACHE
+    for f in "${series_files[@]}"; do echo "== $(basename "$f")"; cat "$f"; done
+} | sha256sum | cut -c1-16)
+kind=$([ "$stock" = 1 ] && echo stock || echo patched)
+out_dir="$cache/bin/$kind-$variant-$key"
+binary="$out_dir/llama-server"
+
+if [ "$print_only" = 1 ]; then
+    echo "$binary"
+    [ -x "$binary" ]
+    exit
+fi
+if [ -z "$src" ] && [ -x "$binary" ]; then
+    say "cached: $binary"
+    echo "$binary"
+    exit 0
+fi
+
+# ---- obtain the source ----------------------------------------------------------------------
+need() { command -v "$1" >/dev/null 2>&1 || die "$1 is not installed" "$2"; }
+need cmake "install it (apt-get install cmake)"
+need patch "install it (apt-get install patch)"
+need g++ "install a C++ compiler (apt-get install g++)"
+
+if [ -z "$src" ]; then
+    sdist="$cache/sdist/$SDIST_FILE"
+    if [ ! -f "$sdist" ]; then
+        say "downloading $SDIST_NAME==$SDIST_VERSION (sdist, about 75 MB) with pip"
+        mkdir -p "$cache/sdist"
+        tmp=$(mktemp -d "$cache/sdist/dl.XXXXXX")
+        "$python" -m pip download --quiet --no-deps --no-binary :all: --no-build-isolation \
+            "$SDIST_NAME==$SDIST_VERSION" -d "$tmp" >&2 2>/dev/null \
+          || "$python" -m pip download --quiet --no-deps --no-binary :all: \
+            "$SDIST_NAME==$SDIST_VERSION" -d "$tmp" >&2 \
+          || { rm -rf "$tmp"; die "pip could not download $SDIST_NAME==$SDIST_VERSION" \
+                 "check the package index is reachable, or pass --src DIR with a llama.cpp checkout"; }
+        mv "$tmp/$SDIST_FILE" "$sdist"; rm -rf "$tmp"
+    fi
+    got=$(sha256sum "$sdist" | cut -d' ' -f1)
+    if [ "$got" != "$SDIST_SHA256" ]; then
+        rm -f "$sdist"
+        die "sha256 mismatch for $SDIST_FILE (got $got, want $SDIST_SHA256)" \
+            "the file was removed; run again to download it afresh"
+    fi
+    pristine="$cache/src/llama.cpp-${SDIST_SHA256:0:16}"
+    if [ ! -f "$pristine/.extracted" ]; then
+        say "extracting vendor/llama.cpp"
+        rm -rf "$pristine"; mkdir -p "$pristine"
+        tar -xzf "$sdist" -C "$pristine" --strip-components=3 "${SDIST_FILE%.tar.gz}/vendor/llama.cpp"
+        touch "$pristine/.extracted"
+    fi
+else
+    pristine=$src
+    [ -f "$pristine/tools/server/server-context.cpp" ] || die "$src does not look like a llama.cpp tree" \
+        "point --src at the root of a llama.cpp checkout"
+fi
+
+# ---- prepare the tree: pristine copy (mtimes kept, so rebuilds are incremental) + series ------
+work="$cache/work/$kind-$variant"
+[ -z "$src" ] || work="$work-src-$(echo "$src" | sha256sum | cut -c1-8)"
+tree="$work/src"
+mkdir -p "$work"
+rm -rf "$tree.new"
+say "preparing $kind tree in $tree"
+cp -a "$pristine" "$tree.new"
+rm -rf "$tree.new/.git"
+for f in "${series_files[@]}"; do
+    name=$(basename "$f")
+    if ! out=$(patch -d "$tree.new" -p1 --forward --batch --no-backup-if-mismatch -r - < "$f" 2>&1); then
+        printf '%s\n' "$out" >&2
+        rm -rf "$tree.new"
+        die "patch $name does not apply (the hunks that failed are listed above)" \
+            "rebase it on the pinned source: see server_patch/README.md (edit tree, then regenerate)"
+    fi
+    say "applied $name"
+done
+rm -rf "$tree"; mv "$tree.new" "$tree"
+
+# ---- configure and build ----------------------------------------------------------------------
+build="$work/build"
+say "configuring ($variant$([ "$stock" = 1 ] && echo ', stock'))"
+cmake -S "$tree" -B "$build" "${cmake_flags[@]}" >"$work/configure.log" 2>&1 \
+    || { tail -30 "$work/configure.log" >&2; die "cmake configure failed (log: $work/configure.log)" \
+         "install the missing dependency named above$([ "$cuda" = 1 ] && echo ' (CUDA toolkit for --cuda)')"; }
+say "building llama-server with $jobs jobs (first build takes minutes; later ones reuse ccache)"
+export CCACHE_BASEDIR=$tree
+set +o pipefail
+cmake --build "$build" --target llama-server -j "$jobs" 2>&1 | tee "$work/build.log" \
+    | { [ "$quiet" = 1 ] && cat >/dev/null || grep --line-buffered -E '^\[ *[0-9]+%\]|error' || true; } >&2
+status=${PIPESTATUS[0]}
+set -o pipefail
+if [ "$status" != 0 ] || [ ! -x "$build/bin/llama-server" ]; then
+    grep -B2 -A8 "error" "$work/build.log" | head -60 >&2
+    die "build failed (log: $work/build.log)" \
+        "read the first error above; a patch that compiles on its own tree may need a rebase"
+fi
+
+mkdir -p "$out_dir"
+cp "$build/bin/llama-server" "$binary.tmp" && mv "$binary.tmp" "$binary"
+{ echo "source: $src_id"; echo "variant: $variant stock=$stock"; printf 'patch: %s\n' "${series_files[@]##*/}"; } > "$out_dir/BUILD-INFO"
+say "done: $binary"
+echo "$binary"
