@@ -1,0 +1,134 @@
+"""Deterministic random-weight llama models for tests and demos.
+
+Theory of operation: a llama-architecture GGUF is nothing but hyperparameters, a tokenizer
+and tensors. The tests need a model that loads in llama-server, is tiny on disk, runs at
+hundreds of tokens per second on one core, and gives the same tokens every time. So the
+weights are drawn from a seeded generator, and the tokenizer is a small byte-level
+SentencePiece vocabulary built here (three specials, the 256 byte tokens, the printable
+ASCII characters with and without the word-start marker), so nothing outside this file is
+needed. The output projection is drawn with a large spread so that the top logits are far
+apart: greedy decoding is then stable across batch shapes, which is what makes "identical
+to the solo run" a fair test.
+
+`gguf` and `numpy` are imported lazily: they are test dependencies (`llama-sidecar[test]`).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+SPACE = "\u2581"  # SentencePiece's word-start marker
+
+
+@dataclass(frozen=True)
+class TinySpec:
+    """Shape of a generated model."""
+
+    name: str
+    n_embd: int
+    n_layer: int
+    n_head: int
+    n_ff: int
+    n_ctx_train: int = 65536
+    seed: int = 1234
+
+
+SPECS: dict[str, TinySpec] = {
+    # ~1 MB, several hundred tokens/s on one core.
+    "tiny": TinySpec("tiny", n_embd=64, n_layer=2, n_head=4, n_ff=128),
+    # ~100 MB, tens of tokens/s: parks last seconds, not milliseconds.
+    "slow": TinySpec("slow", n_embd=1024, n_layer=6, n_head=8, n_ff=2816, seed=4321),
+}
+
+
+def _vocab() -> tuple[list[str], list[float], list[int]]:
+    """A byte-level SentencePiece vocabulary: tokens, scores, token types."""
+    normal, unknown, control, byte = 1, 2, 3, 6
+    tokens = ["<unk>", "<s>", "</s>"]
+    types = [unknown, control, control]
+    tokens += [f"<0x{b:02X}>" for b in range(256)]
+    types += [byte] * 256
+    printable = [chr(c) for c in range(33, 127)]
+    pieces = [*printable, SPACE, *(SPACE + ch for ch in printable)]
+    tokens += pieces
+    types += [normal] * len(pieces)
+    # Longer pieces win in SPM's merge order: score by length, ties broken by position.
+    scores = [0.0] * (3 + 256) + [len(p) - i * 1e-4 for i, p in enumerate(pieces)]
+    return tokens, scores, types
+
+
+def write_model(path: str | os.PathLike[str], spec: TinySpec = SPECS["tiny"]) -> Path:
+    """Write the model described by `spec` to `path` (atomically) and return the path."""
+    import gguf
+    import numpy as np
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(spec.seed)
+    tokens, scores, types = _vocab()
+    n_vocab, d, ff = len(tokens), spec.n_embd, spec.n_ff
+    head_dim = d // spec.n_head
+    dtype = np.float32 if d <= 256 else np.float16
+
+    def normal(shape: tuple[int, ...], std: float) -> object:
+        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype)
+
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name(f"llama-sidecar {spec.name} random")
+    w.add_context_length(spec.n_ctx_train)
+    w.add_embedding_length(d)
+    w.add_block_count(spec.n_layer)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(spec.n_head)
+    w.add_head_count_kv(spec.n_head)
+    w.add_rope_dimension_count(head_dim)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(
+        gguf.LlamaFileType.ALL_F32 if dtype == np.float32 else gguf.LlamaFileType.MOSTLY_F16
+    )
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+    ones = np.ones(d, dtype=np.float32)
+    w.add_tensor("token_embd.weight", normal((n_vocab, d), 1.0))
+    for i in range(spec.n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            w.add_tensor(f"blk.{i}.{name}.weight", normal((d, d), d**-0.5))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", normal((ff, d), d**-0.5))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", normal((ff, d), d**-0.5))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", normal((d, ff), ff**-0.5))
+    w.add_tensor("output_norm.weight", ones)
+    # Spread logits far apart (std ~ sqrt(d)): greedy picks never sit on a near-tie.
+    w.add_tensor("output.weight", normal((n_vocab, d), 1.0))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(path)
+    return path
+
+
+def ensure_model(cache_dir: str | os.PathLike[str], size: str = "tiny") -> Path:
+    """Return the cached model of this size, writing it first if needed."""
+    spec = SPECS[size]
+    path = (
+        Path(cache_dir)
+        / f"llama-sidecar-{spec.name}-s{spec.seed}-d{spec.n_embd}x{spec.n_layer}.gguf"
+    )
+    if not path.exists():
+        write_model(path, spec)
+    return path

@@ -1,0 +1,81 @@
+"""Shared fixtures: the built servers, the generated models, a server factory.
+
+The binaries come from build_llama.sh (cached, so this is instant after `make test` built
+them); LLAMA_SERVER_BIN / LLAMA_SERVER_STOCK_BIN point the suite at other builds, which is
+how the fixed-deadline test is shown to fail on the stock server.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+
+import pytest
+
+from sidecar.tinymodel import ensure_model
+from tests.support.llama import LlamaServer
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def cache_dir() -> Path:
+    base = os.environ.get("LLAMA_SIDECAR_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llama-sidecar")
+    return Path(base)
+
+
+def _build(*flags: str) -> Path:
+    proc = subprocess.run([str(REPO / "build_llama.sh"), *flags], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.fail(f"build_llama.sh {' '.join(flags)} failed:\n{proc.stderr[-4000:]}")
+    return Path(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def llama_server_bin() -> Path:
+    override = os.environ.get("LLAMA_SERVER_BIN")
+    return Path(override) if override else _build()
+
+
+@pytest.fixture(scope="session")
+def stock_server_bin() -> Path:
+    override = os.environ.get("LLAMA_SERVER_STOCK_BIN")
+    return Path(override) if override else _build("--stock")
+
+
+@pytest.fixture(scope="session")
+def tiny_model() -> Path:
+    return ensure_model(cache_dir() / "models", "tiny")
+
+
+@pytest.fixture(scope="session")
+def slow_model() -> Path:
+    return ensure_model(cache_dir() / "models", "slow")
+
+
+StartServer = Callable[..., LlamaServer]
+
+
+@pytest.fixture
+def start_server(llama_server_bin: Path, tiny_model: Path,
+                 tmp_path: Path) -> Iterator[StartServer]:
+    """Factory: start_server(model=..., args=[...], env={...}, binary=None) -> LlamaServer.
+
+    Every server it starts is stopped at teardown; its log stays in tmp_path.
+    """
+    started: list[LlamaServer] = []
+
+    def start(model: Path | None = None, args: Sequence[str] = (),
+              env: Mapping[str, str] | None = None, binary: Path | None = None,
+              timeout: float = 120.0) -> LlamaServer:
+        n = len(started)
+        srv = LlamaServer(binary or llama_server_bin, model or tiny_model, list(args),
+                          dict(env or {}), log_path=tmp_path / f"llama-server-{n}.log")
+        started.append(srv)
+        return srv.start(timeout=timeout)
+
+    yield start
+    for srv in started:
+        srv.stop()
