@@ -168,3 +168,4 @@ PEER_GONE: tuple[type[BaseException], ...] = (
     anyio.EndOfStream,
     ConnectionError,
 )
+IO_ERRORS: tuple[type[BaseException], ...] = (*PEER_GONE, OSError)

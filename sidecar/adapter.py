@@ -1,0 +1,140 @@
+"""The one class that touches an ``h11.Connection``: :class:`H11Stream`.
+
+Theory of operation
+-------------------
+Modelled on h11's ``examples/trio-server.py`` (``TrioHTTPWrapper``) and
+httpcore's ``_async/http11.py``: an :class:`H11Stream` pairs one
+``h11.Connection`` with one anyio byte stream and is used for both roles (the
+client side of the sidecar is an h11 ``SERVER``, the upstream side an h11
+``CLIENT``).
+
+* :meth:`next_event` loops on ``NEED_DATA``, reading from the socket; a peer
+  that closes is fed to h11 as ``b""`` so h11 decides whether that was a clean
+  end (``ConnectionClosed``) or a truncated message (``RemoteProtocolError``;
+  :attr:`eof` then tells the caller the peer went away).
+* :meth:`send` converts the event to bytes and writes them; when the write
+  raises, ``send_failed()`` is called so h11 knows the connection is dead.
+* :meth:`reusable` / :meth:`start_next_cycle`: a connection is reused only when
+  both sides are ``DONE`` (``MUST_CLOSE`` is honoured by closing).
+* :meth:`wait_for_eof` is the client-disconnect watcher's read: after the
+  request is complete, any bytes read (pipelined requests) are handed to h11,
+  which buffers them for the next cycle; end of stream means the client left.
+
+The class performs no locking: the relay serialises writes with its own lock.
+Errors escape as h11 / anyio / OSError exceptions; callers translate them with
+:func:`sidecar.errors.map_exceptions` because only they know which side is at
+fault.
+"""
+
+from __future__ import annotations
+
+import anyio
+import anyio.abc
+import h11
+
+from sidecar.errors import PEER_GONE
+
+__all__ = ["READ_SIZE", "H11Stream"]
+
+READ_SIZE = 64 * 1024
+# Pipelined bytes buffered while a response is streaming; beyond this we stop
+# reading (and stop watching for disconnects) rather than buffer without bound.
+MAX_PIPELINED = 64 * 1024
+
+
+class H11Stream:
+    __slots__ = ("bytes_in_cycle", "conn", "eof", "stream")
+
+    def __init__(
+        self,
+        stream: anyio.abc.ByteStream,
+        role: type[h11.CLIENT] | type[h11.SERVER],
+        *,
+        max_incomplete_event_size: int = 16 * 1024,
+    ) -> None:
+        self.stream = stream
+        self.conn = h11.Connection(role, max_incomplete_event_size=max_incomplete_event_size)
+        self.eof = False
+        self.bytes_in_cycle = 0
+
+    async def _receive(self) -> bytes:
+        try:
+            data = await self.stream.receive(READ_SIZE)
+        except PEER_GONE:
+            data = b""
+        except OSError:
+            data = b""
+        if not data:
+            self.eof = True
+        self.bytes_in_cycle += len(data)
+        return data
+
+    async def next_event(self) -> h11.Event:
+        """The next h11 event, reading as needed (never returns ``NEED_DATA``)."""
+        conn = self.conn
+        while True:
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                conn.receive_data(await self._receive())
+                continue
+            if event is h11.PAUSED:
+                raise h11.LocalProtocolError("next_event() called while paused")
+            assert isinstance(event, h11.Event)
+            return event
+
+    def has_buffered_data(self) -> bool:
+        """True if bytes of the next message are already buffered (pipelining)."""
+        return bool(self.conn.trailing_data[0])
+
+    async def wait_first_byte(self) -> bool:
+        """Wait until some byte of the next message is available; False at EOF."""
+        if self.has_buffered_data():
+            return True
+        data = await self._receive()
+        self.conn.receive_data(data)
+        return bool(data)
+
+    async def send(self, event: h11.Event) -> None:
+        data = self.conn.send(event)
+        if data:
+            await self._write(data)
+
+    async def send_data(self, data: bytes) -> None:
+        """Send a body chunk (h11 adds the chunked framing if it chose it)."""
+        out = self.conn.send(h11.Data(data=data))
+        if out:
+            await self._write(out)
+
+    async def _write(self, data: bytes) -> None:
+        try:
+            await self.stream.send(data)
+        except BaseException:
+            self.conn.send_failed()
+            raise
+
+    async def wait_for_eof(self) -> None:
+        """Return when the peer closes; pipelined bytes go to h11's buffer."""
+        while len(self.conn.trailing_data[0]) <= MAX_PIPELINED:
+            data = await self._receive()
+            if not data:
+                return
+            self.conn.receive_data(data)
+        await anyio.sleep_forever()
+
+    @property
+    def reusable(self) -> bool:
+        return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
+
+    def start_next_cycle(self) -> None:
+        self.conn.start_next_cycle()
+        self.bytes_in_cycle = 0
+
+    async def aclose(self) -> None:
+        """Close the socket now; bounded and shielded so cancellation cannot skip it."""
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+            try:
+                await self.stream.aclose()
+            except PEER_GONE:
+                pass
+            except OSError:
+                pass

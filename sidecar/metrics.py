@@ -1,0 +1,167 @@
+"""Prometheus metrics of the sidecar, on an explicit ``CollectorRegistry``.
+
+Theory of operation
+-------------------
+:class:`Metrics` creates every collector on the registry it is given, so each
+test (and each sidecar in one process) gets its own.  Names carry the
+``llama_sidecar_`` prefix and base units (seconds, bytes); histograms reach an
+hour because a parked stream may legitimately last that long.  Labels are
+low-cardinality by construction: ``route`` comes from a fixed table of known
+llama-server routes (anything else is ``other``), ``status_class`` is ``1xx``
+to ``5xx`` or ``none``; no path, id or address ever becomes a label.
+
+The exposition is served by :mod:`sidecar.server` on its own listener through
+``prometheus_client.exposition.choose_encoder``.
+"""
+
+from __future__ import annotations
+
+import platform
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
+
+from sidecar import __version__
+
+__all__ = ["DURATION_BUCKETS", "KNOWN_ROUTES", "Metrics", "route_label", "status_class"]
+
+PREFIX = "llama_sidecar"
+
+# Up to an hour: a stream may stay parked that long.
+DURATION_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+    30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0,
+)  # fmt: skip
+
+# llama-server (tools/server/server.cpp) routes; "/slots/<id>" folds into "/slots".
+KNOWN_ROUTES = frozenset(
+    {
+        "/", "/health", "/v1/health", "/metrics", "/props", "/slots", "/models", "/v1/models",
+        "/api/tags", "/api/show", "/api/chat", "/completion", "/completions", "/v1/completions",
+        "/chat/completions", "/v1/chat/completions", "/v1/messages",
+        "/v1/messages/count_tokens", "/infill", "/embedding", "/embeddings", "/v1/embeddings",
+        "/rerank", "/reranking", "/v1/rerank", "/v1/reranking", "/tokenize", "/detokenize",
+        "/apply-template", "/lora-adapters",
+    }
+)  # fmt: skip
+DISCONNECT_PHASES = ("request", "queued", "prompt", "streaming", "parked")
+
+
+def route_label(target: bytes | str) -> str:
+    """The route label of a request target: a known route or ``"other"``."""
+    path = target.decode("latin-1") if isinstance(target, bytes) else target
+    path = path.split("?", 1)[0].split("#", 1)[0]
+    if len(path) > 1:
+        path = path.rstrip("/")
+    if path.startswith("/slots/"):
+        return "/slots"
+    return path if path in KNOWN_ROUTES else "other"
+
+
+def status_class(status: int | None) -> str:
+    if status is None or not 100 <= status <= 599:
+        return "none"
+    return f"{status // 100}xx"
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry, *, upstream_client: str = "h11") -> None:
+        self.registry = registry
+        r = registry
+        p = PREFIX
+        self.streams_active = Gauge(
+            f"{p}_streams_active", "SSE streams currently relayed", registry=r
+        )
+        self.streams_parked = Gauge(
+            f"{p}_streams_parked", "SSE streams with at least one parked prompt", registry=r
+        )
+        self.parks = Counter(f"{p}_parks", "Prompts parked (': preempted' notices)", registry=r)
+        self.resumes = Counter(
+            f"{p}_resumes", "Parked prompts resumed (': resumed' notices)", registry=r
+        )
+        self.recomputes = Counter(
+            f"{p}_recomputes", "Parked prompts re-prefilled (': recomputed' notices)", registry=r
+        )
+        self.park_duration = Histogram(
+            f"{p}_park_duration_seconds",
+            "Time from ': preempted' to ': resumed'/': recomputed' or stream end",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.keepalives = Counter(
+            f"{p}_keepalives",
+            "Keepalive comments written by the sidecar",
+            ["reason"],
+            registry=r,
+        )
+        self.upstream_comments = Counter(
+            f"{p}_upstream_comments",
+            "SSE comment lines relayed from upstream, by kind",
+            ["kind"],
+            registry=r,
+        )
+        self.requests = Counter(
+            f"{p}_requests",
+            "Requests handled, by route and status class",
+            ["route", "status_class"],
+            registry=r,
+        )
+        self.request_duration = Histogram(
+            f"{p}_request_duration_seconds",
+            "Time from request head to the end of the response",
+            ["route"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.ttfb = Histogram(
+            f"{p}_time_to_first_byte_seconds",
+            "Time from request head to the first response body byte from upstream",
+            ["route"],
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.longest_silence = Histogram(
+            f"{p}_stream_longest_silence_seconds",
+            "Longest gap between two writes to the client, per SSE stream",
+            buckets=DURATION_BUCKETS,
+            registry=r,
+        )
+        self.client_disconnects = Counter(
+            f"{p}_client_disconnects",
+            "Clients that went away before the response ended, by phase",
+            ["phase"],
+            registry=r,
+        )
+        self.upstream_errors = Counter(
+            f"{p}_upstream_errors",
+            "Upstream failures by kind (connect, timeout, protocol, disconnect)",
+            ["kind"],
+            registry=r,
+        )
+        self.bytes = Counter(
+            f"{p}_bytes",
+            "Body bytes relayed, by direction (request: client to upstream)",
+            ["direction"],
+            registry=r,
+        )
+        self.upstream_up = Gauge(
+            f"{p}_upstream_up", "1 if the last upstream connect succeeded", registry=r
+        )
+        self.build_info = Info(f"{p}_build", "Sidecar build information", registry=r)
+        self.build_info.info(
+            {
+                "version": __version__,
+                "python": platform.python_version(),
+                "upstream_client": upstream_client,
+            }
+        )
+        # Pre-create bounded label sets so dashboards see zeros, not gaps.
+        for reason in ("park", "idle", "early_open"):
+            self.keepalives.labels(reason)
+        for kind in ("preempted", "resumed", "recomputed", "preempt_keepalive", "ping", "other"):
+            self.upstream_comments.labels(kind)
+        for phase in DISCONNECT_PHASES:
+            self.client_disconnects.labels(phase)
+        for kind in ("connect", "timeout", "protocol", "disconnect"):
+            self.upstream_errors.labels(kind)
+        for direction in ("request", "response"):
+            self.bytes.labels(direction)

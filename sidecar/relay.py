@@ -1,0 +1,622 @@
+"""The relay: one request/response exchange between a client and llama-server.
+
+Theory of operation
+-------------------
+:class:`Exchange` handles one request on an accepted client connection (an
+:class:`~sidecar.adapter.H11Stream` in the h11 ``SERVER`` role):
+
+1. *Checks* before anything is forwarded: conflicting framing (both
+   ``Content-Length`` and ``Transfer-Encoding``, RFC 9112 section 6.1: reject and
+   close), ``--api-key``, a declared body over ``--max-body``.
+2. *Forward*: the request head goes upstream with hop-by-hop fields removed and
+   ``X-Forwarded-For``/``-Proto`` added; the body is streamed from the client as
+   the upstream client pulls it (``Expect: 100-continue`` is answered when the
+   body is first pulled, i.e. after the checks and the upstream connect).
+3. *Respond*: one task group per exchange holds
+
+   * the main task: wait for the upstream head, send it downstream, then pump
+     body chunks (the *upstream pump*);
+   * the *client-disconnect watcher*: once the request body is complete, a
+     read on the client socket that returns EOF means the client left; it
+     cancels the group, and the pump's ``finally`` closes the upstream
+     connection at once so llama-server frees the slot;
+   * the *keepalive ticker* (event streams only, and during early open): asks
+     :class:`~sidecar.keepalive.KeepalivePolicy` whether a comment is due.
+
+   Every downstream write (relayed bytes, keepalive comments, the head, the
+   end of message) happens under ``self.lock``; the SSE scanner is fed under
+   the same lock, so the ticker sees the boundary state of exactly the bytes
+   already written and can never put a comment inside an event.
+4. *Endings*: a clean upstream end sends the terminating chunk; an upstream
+   that dies mid-body leaves the client's response unterminated (the
+   connection is closed without the last chunk, so the client sees an error
+   instead of a silently truncated answer); errors before the head become a
+   JSON error response.  Metrics and the access-log line are recorded in a
+   ``finally`` that runs under cancellation too.
+
+Early open (``--early-open-after S``): for a request that asked to stream
+(``"stream": true`` in the body or ``Accept: text/event-stream``), if no
+upstream head arrived S seconds after the request body was forwarded, a 200
+``text/event-stream`` head is sent and kept alive; an upstream error then
+arrives as a single ``data: {"error": ...}`` event.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import re
+import time
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+import h11
+
+from sidecar.adapter import H11Stream
+from sidecar.config import Config
+from sidecar.errors import (
+    IO_ERRORS,
+    BadRequest,
+    ClientDisconnected,
+    ClientError,
+    PayloadTooLarge,
+    RequestTimeout,
+    SidecarError,
+    Unauthorized,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamTimeout,
+    map_exceptions,
+)
+from sidecar.headers import (
+    REQUEST_DROP,
+    RESPONSE_DROP,
+    Headers,
+    filter_headers,
+    get_header,
+    is_event_stream,
+    set_header,
+)
+from sidecar.keepalive import KeepalivePolicy, Reason
+from sidecar.metrics import Metrics, route_label, status_class
+from sidecar.notices import NoticeKind, ParkEnded, ParkStarted, ParkTracker, classify
+from sidecar.sse import Comment, SSEScanner
+from sidecar.upstream import ResponseHead, UpstreamClient, UpstreamResponse
+
+__all__ = ["AccessRecord", "Context", "Exchange", "answer_error", "client_side"]
+
+access_log = logging.getLogger("sidecar.access")
+log = logging.getLogger("sidecar")
+
+# Routes answered without --api-key, like llama-server's own public endpoints.
+PUBLIC_ROUTES = frozenset({b"/health", b"/v1/health"})
+_STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
+MAX_ERROR_BODY = 64 * 1024
+
+_CLIENT_MAP = {
+    h11.RemoteProtocolError: ClientError,
+    h11.LocalProtocolError: BadRequest,
+    anyio.BrokenResourceError: ClientDisconnected,
+    anyio.ClosedResourceError: ClientDisconnected,
+    anyio.EndOfStream: ClientDisconnected,
+    OSError: ClientDisconnected,
+}
+
+
+@contextmanager
+def client_side(client: H11Stream) -> Iterator[None]:
+    """Translate failures talking to the client; a truncated message is a disconnect."""
+    try:
+        with map_exceptions(_CLIENT_MAP):
+            yield
+    except ClientError as exc:
+        if client.eof:
+            raise ClientDisconnected(str(exc)) from exc
+        raise
+
+
+@dataclass
+class Context:
+    """State shared by every connection of one sidecar."""
+
+    config: Config
+    metrics: Metrics
+    upstream: UpstreamClient
+    draining: bool = False
+    active: int = 0
+    clock: Any = time.monotonic
+
+
+@dataclass
+class AccessRecord:
+    method: str
+    path: str
+    status: int | None = None
+    duration: float = 0.0
+    ttfb: float | None = None
+    parks: int = 0
+    parked_seconds: float = 0.0
+    keepalives: int = 0
+    longest_silence: float | None = None
+    bytes_in: int = 0
+    bytes_out: int = 0
+    outcome: str = "ok"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def line(self) -> str:
+        d = asdict(self)
+        d.pop("extra")
+        d.update(self.extra)
+        if d["status"] is None:
+            d["status"] = 499 if self.outcome == "client_disconnected" else 0
+        for k in ("duration", "ttfb", "parked_seconds", "longest_silence"):
+            if d[k] is not None:
+                d[k] = round(d[k], 6)
+        return json.dumps(d, separators=(",", ":"))
+
+
+def _error_body(status: int, message: str) -> dict[str, Any]:
+    kind = (
+        "authentication_error"
+        if status == 401
+        else "invalid_request_error"
+        if status < 500
+        else "unavailable_error"
+        if status in (502, 503, 504)
+        else "server_error"
+    )
+    return {"error": {"code": status, "message": message, "type": kind}}
+
+
+async def answer_error(client: H11Stream, status: int, message: str) -> bool:
+    """Send a JSON error response with ``Connection: close`` if nothing was sent yet."""
+    if client.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
+        return False
+    body = json.dumps(_error_body(status, message)).encode()
+    headers = [
+        (b"Content-Type", b"application/json; charset=utf-8"),
+        (b"Content-Length", str(len(body)).encode()),
+        (b"Connection", b"close"),
+    ]
+    try:
+        await client.send(h11.Response(status_code=status, headers=headers))
+        await client.send_data(body)
+        await client.send(h11.EndOfMessage())
+    except h11.LocalProtocolError:
+        return False
+    except IO_ERRORS:
+        return False
+    return True
+
+
+class Exchange:
+    def __init__(
+        self, ctx: Context, client: H11Stream, request: h11.Request, peer: str | None
+    ) -> None:
+        self.ctx = ctx
+        self.config = ctx.config
+        self.metrics = ctx.metrics
+        self.client = client
+        self.request = request
+        self.peer = peer
+        self.clock = ctx.clock
+        self.t0 = self.clock()
+        self.route = route_label(request.target)
+        self.rec = AccessRecord(
+            request.method.decode("latin-1"), request.target.decode("latin-1", "replace")
+        )
+        self.lock = anyio.Lock()
+        self.phase = "request"
+        self.started = False  # response head sent downstream
+        self.finished = False  # end of message sent downstream
+        self.client_gone = False
+        self.keep_alive = True
+        self.sse = False
+        self.early_opened = False
+        self.upstream_answered = False
+        self.wants_stream = False
+        self.scanner = SSEScanner()
+        self.parks = ParkTracker()
+        self.policy: KeepalivePolicy | None = None
+        self.body_done: anyio.Event = anyio.Event()
+        self._tg: anyio.abc.TaskGroup | None = None
+        self._wake: anyio.Event = anyio.Event()
+        self._ticker_waiting = False
+        self._error: SidecarError | None = None
+        self._stream_tail = b""
+
+    # ------------------------------------------------------------------ entry
+
+    async def run(self) -> bool:
+        """Handle the exchange; True if the client connection may be reused."""
+        self.ctx.active += 1
+        try:
+            self._check_request()
+            await self._relay()
+        except ClientDisconnected:
+            self.rec.outcome = "client_disconnected"
+            self.metrics.client_disconnects.labels(self.phase).inc()
+            self.keep_alive = False
+        except ClientError as exc:
+            self.rec.outcome = exc.kind
+            self.keep_alive = False
+            if not self.started and await answer_error(self.client, exc.status_hint, str(exc)):
+                self.rec.status = exc.status_hint
+        except UpstreamError as exc:
+            self.rec.outcome = "upstream_" + exc.kind
+            self.metrics.upstream_errors.labels(exc.kind).inc()
+            if isinstance(exc, UpstreamConnectError | UpstreamTimeout):
+                self.metrics.upstream_up.set(0)
+            self.keep_alive = False
+            if not self.started and await answer_error(self.client, exc.status_hint, str(exc)):
+                self.rec.status = exc.status_hint
+        finally:
+            self.ctx.active -= 1
+            with anyio.CancelScope(shield=True):
+                self._record()
+        return self.keep_alive and not self.ctx.draining
+
+    def _check_request(self) -> None:
+        req = self.request
+        raw = list(req.headers.raw_items())
+        te = get_header(raw, b"transfer-encoding")
+        cl = get_header(raw, b"content-length")
+        if te is not None and cl is not None:
+            # RFC 9112 section 6.1: may reject, and must close afterwards.
+            raise BadRequest("both Content-Length and Transfer-Encoding present")
+        if cl is not None and int(cl) > self.config.max_body:
+            raise PayloadTooLarge(f"request body of {int(cl)} bytes exceeds {self.config.max_body}")
+        key = self.config.api_key
+        if key and req.target.split(b"?", 1)[0] not in PUBLIC_ROUTES:
+            auth = get_header(raw, b"authorization") or b""
+            given = auth[7:].strip() if auth[:7].lower() == b"bearer " else None
+            given = given or get_header(raw, b"x-api-key")
+            if given is None or not hmac.compare_digest(given, key.encode()):
+                raise Unauthorized("invalid or missing API key")
+        self._chunked_body = te is not None
+        self._has_body = te is not None or (cl is not None and int(cl) > 0)
+        accept = get_header(raw, b"accept") or b""
+        self.wants_stream = b"text/event-stream" in accept.lower()
+
+    def _upstream_headers(self) -> Headers:
+        req = self.request
+        headers = filter_headers(req.headers.raw_items(), REQUEST_DROP)
+        if self._chunked_body:
+            headers.append((b"Transfer-Encoding", b"chunked"))
+        if self.peer:
+            prior = get_header(headers, b"x-forwarded-for")
+            peer = self.peer.encode()
+            headers = set_header(
+                headers, b"X-Forwarded-For", prior + b", " + peer if prior else peer
+            )
+        if get_header(headers, b"x-forwarded-proto") is None:
+            headers.append((b"X-Forwarded-Proto", b"http"))
+        if get_header(headers, b"host") is None:
+            host, port, _ = self.config.upstream_addr
+            headers.append((b"Host", f"{host}:{port}".encode()))
+        return headers
+
+    # ------------------------------------------------------------ request body
+
+    async def _request_body(self) -> AsyncGenerator[bytes, None]:
+        client = self.client
+        if client.conn.they_are_waiting_for_100_continue:
+            # RFC 9110 section 10.1.1: checks passed, upstream reached: go ahead.
+            with client_side(client):
+                await client.send(h11.InformationalResponse(status_code=100, headers=[]))
+        total = 0
+        limit = self.config.max_body
+        while True:
+            with client_side(client):
+                try:
+                    with anyio.fail_after(self.config.body_timeout):
+                        event = await client.next_event()
+                except TimeoutError:
+                    raise RequestTimeout("request body not received in time") from None
+            if isinstance(event, h11.Data):
+                data = bytes(event.data)
+                total += len(data)
+                self.rec.bytes_in = total
+                if total > limit:
+                    raise PayloadTooLarge(f"request body exceeds {limit} bytes")
+                if not self.wants_stream:
+                    scan = self._stream_tail + data
+                    self.wants_stream = _STREAM_TRUE.search(scan) is not None
+                    self._stream_tail = scan[-32:]
+                yield data
+            elif isinstance(event, h11.EndOfMessage):
+                break
+            else:
+                raise BadRequest(f"unexpected {type(event).__name__} in request body")
+        self._body_complete()
+
+    async def _no_body(self) -> None:
+        with client_side(self.client):
+            event = await self.client.next_event()
+        if not isinstance(event, h11.EndOfMessage):
+            raise BadRequest("unexpected request body")
+        self._body_complete()
+
+    def _body_complete(self) -> None:
+        self.phase = "queued"
+        self.body_done.set()
+
+    # ------------------------------------------------------------------ relay
+
+    async def _relay(self) -> None:
+        headers = self._upstream_headers()
+        if not self._has_body:
+            await self._no_body()
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._watch_client)
+            if self.config.early_open_after is not None and self.request.method != b"HEAD":
+                tg.start_soon(self._early_open_timer, self.config.early_open_after)
+            try:
+                await self._forward(headers)
+            except SidecarError as exc:
+                self._error = exc
+            finally:
+                tg.cancel_scope.cancel()
+        if self._error is not None:
+            raise self._error
+        if self.client_gone:
+            raise ClientDisconnected("client closed the connection")
+
+    async def _forward(self, headers: Headers) -> None:
+        req = self.request
+        body = self._request_body() if self._has_body else None
+        try:
+            resp = await self.ctx.upstream.request(req.method, req.target, headers, body)
+        except UpstreamError as exc:
+            async with self.lock:
+                self.upstream_answered = True
+                if not self.early_opened:
+                    raise
+            await self._early_error(exc.status_hint, _error_body(exc.status_hint, str(exc)))
+            self.rec.outcome = "upstream_" + exc.kind
+            self.metrics.upstream_errors.labels(exc.kind).inc()
+            return
+        finally:
+            if body is not None:
+                await body.aclose()
+        try:
+            self.metrics.upstream_up.set(1)
+            self.phase = "prompt"
+            head = resp.head
+            async with self.lock:
+                self.upstream_answered = True
+                early = self.early_opened
+                if not early:
+                    await self._send_head(head)
+            if early and not (200 <= head.status < 300 and is_event_stream(head.headers)):
+                await self._early_error_from(resp)
+                return
+            await self._pump(resp)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await resp.aclose()
+
+    async def _send_head(self, head: ResponseHead) -> None:
+        """Send the response head downstream (caller holds the lock)."""
+        headers = filter_headers(head.headers, RESPONSE_DROP)
+        sse = is_event_stream(headers)
+        if sse:
+            headers = set_header(headers, b"X-Accel-Buffering", b"no")
+            headers = set_header(headers, b"Cache-Control", b"no-cache")
+        if self.ctx.draining:
+            headers.append((b"Connection", b"close"))
+        with client_side(self.client):
+            await self.client.send(
+                h11.Response(status_code=head.status, headers=headers, reason=head.reason)
+            )
+        self.started = True
+        self.rec.status = head.status
+        if sse:
+            self._start_stream()
+
+    def _start_stream(self) -> None:
+        self.sse = True
+        self.policy = KeepalivePolicy(
+            self.config.park_keepalive, self.config.idle_keepalive, self.clock()
+        )
+        self.metrics.streams_active.inc()
+        assert self._tg is not None
+        self._tg.start_soon(self._ticker)
+
+    async def _pump(self, resp: UpstreamResponse) -> None:
+        client = self.client
+        clock = self.clock
+        scanner = self.scanner if self.sse else None
+        policy = self.policy
+        first = True
+        while True:
+            data = await resp.receive()
+            if not data:
+                break
+            if first:
+                first = False
+                self.rec.ttfb = clock() - self.t0
+                if self.phase == "prompt":
+                    self.phase = "streaming"
+            self.rec.bytes_out += len(data)
+            async with self.lock:
+                if scanner is not None:
+                    for line in scanner.feed(data):
+                        if type(line) is Comment:
+                            self._on_comment(line.text)
+                with client_side(client):
+                    await client.send_data(data)
+                if policy is not None:
+                    policy.wrote(clock())
+                    if self._ticker_waiting and scanner is not None and scanner.at_boundary:
+                        self._wake.set()
+        async with self.lock:
+            with client_side(client):
+                await client.send(h11.EndOfMessage())
+            self.finished = True
+
+    def _on_comment(self, text: bytes) -> None:
+        notice = classify(text)
+        m = self.metrics
+        m.upstream_comments.labels(notice.kind.value).inc()
+        if notice.kind is NoticeKind.OTHER or notice.kind is NoticeKind.PING:
+            return
+        was_parked = self.parks.parked
+        change = self.parks.apply(notice, self.clock())
+        if isinstance(change, ParkStarted):
+            m.parks.inc()
+            self.rec.parks += 1
+        elif isinstance(change, ParkEnded):
+            self._park_ended(change)
+        if was_parked != self.parks.parked:
+            if self.parks.parked:
+                m.streams_parked.inc()
+                self.phase = "parked"
+            else:
+                m.streams_parked.dec()
+                self.phase = "streaming"
+            self._wake.set()  # the keepalive interval changed
+
+    def _park_ended(self, change: ParkEnded) -> None:
+        (self.metrics.recomputes if change.recomputed else self.metrics.resumes).inc()
+        self.metrics.park_duration.observe(change.duration)
+        self.rec.parked_seconds += change.duration
+
+    # --------------------------------------------------------- helper tasks
+
+    async def _watch_client(self) -> None:
+        await self.body_done.wait()
+        await self.client.wait_for_eof()
+        self.client_gone = True
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+
+    async def _ticker(self) -> None:
+        policy = self.policy
+        assert policy is not None and self._tg is not None
+        clock = self.clock
+        client = self.client
+        try:
+            while True:
+                async with self.lock:
+                    if self.finished:
+                        return
+                    now = clock()
+                    parked = self.parks.parked
+                    at_boundary = self.scanner.at_boundary
+                    ka = policy.due(
+                        now,
+                        parked=parked,
+                        at_boundary=at_boundary,
+                        early_open=self.early_opened and not self.upstream_answered,
+                    )
+                    if ka is not None:
+                        await client.send_data(ka.payload)
+                        now = clock()
+                        policy.wrote(now)
+                        self.rec.keepalives += 1
+                        self.metrics.keepalives.labels(ka.reason.value).inc()
+                    deadline = policy.deadline(parked)
+                    waiting_boundary = deadline <= now and not at_boundary
+                    self._ticker_waiting = waiting_boundary
+                    self._wake = wake = anyio.Event()
+                if waiting_boundary:
+                    await wake.wait()
+                else:
+                    with anyio.move_on_after(deadline - now):
+                        await wake.wait()
+        except IO_ERRORS:
+            self.client_gone = True
+            self._tg.cancel_scope.cancel()
+
+    async def _early_open_timer(self, after: float) -> None:
+        await self.body_done.wait()
+        await anyio.sleep(after)
+        async with self.lock:
+            if self.upstream_answered or self.started or not self.wants_stream:
+                return
+            headers = [
+                (b"Content-Type", b"text/event-stream"),
+                (b"Cache-Control", b"no-cache"),
+                (b"X-Accel-Buffering", b"no"),
+            ]
+            try:
+                with client_side(self.client):
+                    await self.client.send(h11.Response(status_code=200, headers=headers))
+            except ClientDisconnected:
+                self.client_gone = True
+                assert self._tg is not None
+                self._tg.cancel_scope.cancel()
+                return
+            self.early_opened = True
+            self.started = True
+            self.rec.status = 200
+            self.rec.extra["early_open"] = True
+            self._start_stream()
+
+    async def _early_error_from(self, resp: UpstreamResponse) -> None:
+        status = resp.head.status
+        body = b""
+        while len(body) < MAX_ERROR_BODY:
+            chunk = await resp.receive()
+            if not chunk:
+                break
+            body += chunk
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            parsed = None
+        if isinstance(parsed, dict) and "error" in parsed:
+            payload: dict[str, Any] = {"error": parsed["error"]}
+        elif isinstance(parsed, dict):
+            payload = {"error": parsed}
+        else:
+            payload = _error_body(status, body.decode("utf-8", "replace").strip())
+        if isinstance(payload["error"], dict):
+            payload["error"].setdefault("code", status)
+        self.rec.extra["upstream_status"] = status
+        await self._early_error(status, payload)
+
+    async def _early_error(self, status: int, payload: dict[str, Any]) -> None:
+        """After an early open: deliver the upstream error as one event and end."""
+        event = b"data: " + json.dumps(payload).encode() + b"\n\n"
+        async with self.lock:
+            with client_side(self.client):
+                await self.client.send_data(event)
+                await self.client.send(h11.EndOfMessage())
+            self.finished = True
+        self.rec.outcome = "early_open_error"
+
+    # --------------------------------------------------------------- records
+
+    def _record(self) -> None:
+        now = self.clock()
+        rec = self.rec
+        m = self.metrics
+        rec.duration = now - self.t0
+        if self.sse:
+            m.streams_active.dec()
+            if self.parks.parked:
+                m.streams_parked.dec()
+            for ended in self.parks.close(now):
+                self._park_ended(ended)
+            if self.policy is not None:
+                rec.longest_silence = self.policy.silence(now)
+                m.longest_silence.observe(rec.longest_silence)
+        m.requests.labels(self.route, status_class(rec.status)).inc()
+        m.request_duration.labels(self.route).observe(rec.duration)
+        if rec.ttfb is not None:
+            m.ttfb.labels(self.route).observe(rec.ttfb)
+        m.bytes.labels("request").inc(rec.bytes_in)
+        m.bytes.labels("response").inc(rec.bytes_out)
+        if access_log.isEnabledFor(logging.INFO):
+            access_log.info(rec.line())
+
+
+__all__ += ["Reason"]

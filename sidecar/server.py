@@ -1,0 +1,410 @@
+"""Listeners, connection loop, drain, and the programmatic entry points.
+
+Theory of operation
+-------------------
+:class:`Sidecar` binds the proxy listener and the metrics listener, accepts
+connections into one task group and runs one connection loop per client:
+read a request head (idle keep-alive wait, then ``header_timeout`` for the
+head: a client that sends its headers too slowly gets 408), hand it to a
+:class:`~sidecar.relay.Exchange`, and start the next cycle only when both
+sides of the h11 connection are ``DONE``.  Malformed heads are answered with
+h11's status hint (400, 431, 501) and the connection is closed.
+
+Drain (SIGTERM in the CLI, :meth:`Sidecar.drain` here): the listeners stop
+accepting (new connections are refused), idle keep-alive connections are
+closed, running exchanges get ``drain_timeout`` seconds to finish, then
+everything left is cancelled.
+
+Programmatic API
+----------------
+``Sidecar(config, registry=None)``
+    ``await sidecar.run(task_status=...)`` serves until drained or cancelled;
+    with ``task_group.start(sidecar.run)`` it returns once both listeners are
+    bound (``sidecar.url``, ``sidecar.metrics_url`` then hold the real ports,
+    so ``listen="127.0.0.1:0"`` works).  ``sidecar.drain()`` starts a graceful
+    stop; ``sidecar.stop()`` stops at once.
+``await serve(config, registry=None, *, task_status=...)``
+    Shorthand for ``Sidecar(config, registry).run(task_status=...)``.
+``run_in_thread(config, registry=None)``
+    Context manager running a sidecar on its own event loop in a background
+    thread; yields the started :class:`Sidecar` (use ``.url``).  For tests and
+    for tools that are not async.
+``start_subprocess(config, env=None)``
+    Starts ``python -m sidecar.cli.proxy`` with the config as flags, waits for
+    its ready line and returns a :class:`SidecarProcess` (``.url``,
+    ``.metrics_url``, ``.terminate()`` sends SIGTERM and waits).
+``ephemeral_config(upstream, **overrides)``
+    A :class:`~sidecar.config.Config` with both listeners on free loopback ports.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import anyio
+import anyio.abc
+import h11
+from anyio.abc import SocketAttribute
+from anyio.from_thread import start_blocking_portal
+from prometheus_client import CollectorRegistry
+from prometheus_client.exposition import choose_encoder
+
+from sidecar.adapter import H11Stream
+from sidecar.config import Config, format_hostport
+from sidecar.errors import ClientDisconnected, ClientError
+from sidecar.metrics import Metrics, status_class
+from sidecar.relay import AccessRecord, Context, Exchange, answer_error, client_side
+from sidecar.upstream import UpstreamClient, make_upstream
+
+__all__ = [
+    "Sidecar",
+    "SidecarProcess",
+    "ephemeral_config",
+    "run_in_thread",
+    "serve",
+    "start_subprocess",
+]
+
+log = logging.getLogger("sidecar")
+access_log = logging.getLogger("sidecar.access")
+READY_RE = re.compile(r"listening on (http://\S+) metrics (\S+)")
+
+
+def _use_uvloop() -> bool:
+    """uvloop is optional: used when importable unless LLAMA_SIDECAR_UVLOOP=0."""
+    if os.environ.get("LLAMA_SIDECAR_UVLOOP", "1") in ("0", "false", "no"):
+        return False
+    return importlib.util.find_spec("uvloop") is not None
+
+
+def _url(addr: tuple[str, int] | None) -> str | None:
+    return None if addr is None else "http://" + format_hostport(*addr)
+
+
+class Sidecar:
+    def __init__(
+        self,
+        config: Config,
+        registry: CollectorRegistry | None = None,
+        *,
+        upstream: UpstreamClient | None = None,
+    ) -> None:
+        self.config = config
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.metrics = Metrics(self.registry, upstream_client=config.upstream_client)
+        self.ctx = Context(config, self.metrics, upstream or make_upstream(config))
+        self.address: tuple[str, int] | None = None
+        self.metrics_address: tuple[str, int] | None = None
+        self._drain_requested: anyio.Event | None = None
+        self._drain_timeout = config.drain_timeout
+        self._idle_scopes: set[anyio.CancelScope] = set()
+        self._conns: anyio.abc.TaskGroup | None = None
+
+    @property
+    def url(self) -> str:
+        url = _url(self.address)
+        if url is None:
+            raise RuntimeError("sidecar not started")
+        return url
+
+    @property
+    def metrics_url(self) -> str | None:
+        url = _url(self.metrics_address)
+        return None if url is None else url + "/metrics"
+
+    def drain(self, timeout: float | None = None) -> None:
+        """Stop accepting and let running exchanges finish (call from the loop thread)."""
+        if timeout is not None:
+            self._drain_timeout = timeout
+        if self._drain_requested is not None:
+            self._drain_requested.set()
+
+    def stop(self) -> None:
+        self.drain(0.0)
+
+    async def run(
+        self, *, task_status: anyio.abc.TaskStatus[Sidecar] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        self._drain_requested = anyio.Event()
+        host, port = self.config.listen_addr
+        listener = await anyio.create_tcp_listener(local_host=host, local_port=port, backlog=1024)
+        self.address = _bound(listener)
+        mlistener: anyio.abc.Listener[anyio.abc.SocketStream] | None = None
+        maddr = self.config.metrics_addr
+        if maddr is not None:
+            mlistener = await anyio.create_tcp_listener(local_host=maddr[0], local_port=maddr[1])
+            self.metrics_address = _bound(mlistener)
+        try:
+            async with anyio.create_task_group() as conns:
+                self._conns = conns
+                accept_scope = anyio.CancelScope()
+                conns.start_soon(self._accept_loop, listener, self._handle_client, accept_scope)
+                metrics_scope = anyio.CancelScope()
+                if mlistener is not None:
+                    conns.start_soon(
+                        self._accept_loop, mlistener, self._handle_metrics, metrics_scope
+                    )
+                log.info(
+                    "listening on %s metrics %s upstream %s",
+                    self.url,
+                    self.metrics_url,
+                    self.config.upstream,
+                )
+                task_status.started(self)
+                await self._drain_requested.wait()
+                self.ctx.draining = True
+                accept_scope.cancel()
+                for scope in list(self._idle_scopes):
+                    scope.cancel()
+                with anyio.move_on_after(self._drain_timeout):
+                    while self.ctx.active > 0:
+                        await anyio.sleep(0.02)
+                conns.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True), anyio.move_on_after(2):
+                await listener.aclose()
+                if mlistener is not None:
+                    await mlistener.aclose()
+                await self.ctx.upstream.aclose()
+
+    async def _accept_loop(
+        self,
+        listener: anyio.abc.Listener[anyio.abc.SocketStream],
+        handler: Callable[[anyio.abc.SocketStream], Awaitable[None]],
+        scope: anyio.CancelScope,
+    ) -> None:
+        with scope:
+            await listener.serve(handler, task_group=self._conns)
+        # Closing the listening socket makes new connections fail at once.
+        with anyio.CancelScope(shield=True):
+            await listener.aclose()
+
+    # ------------------------------------------------------------ proxy side
+
+    async def _handle_client(self, stream: anyio.abc.SocketStream) -> None:
+        cfg = self.config
+        client = H11Stream(stream, h11.SERVER, max_incomplete_event_size=cfg.max_header_bytes)
+        try:
+            peer = str(stream.extra(SocketAttribute.remote_address)[0])
+        except (anyio.TypedAttributeLookupError, IndexError, TypeError):
+            peer = None
+        try:
+            first = True
+            while not self.ctx.draining:
+                request = await self._read_head(client, first)
+                if request is None:
+                    break
+                try:
+                    keep = await Exchange(self.ctx, client, request, peer).run()
+                except Exception:
+                    # A bug in one exchange must not take the other streams down.
+                    log.exception("internal error relaying %r", request.target)
+                    await answer_error(client, 500, "internal sidecar error")
+                    break
+                if not keep or not client.reusable:
+                    break
+                client.start_next_cycle()
+                first = False
+        finally:
+            await client.aclose()
+
+    async def _read_head(self, client: H11Stream, first: bool) -> h11.Request | None:
+        cfg = self.config
+        scope = anyio.CancelScope()
+        self._idle_scopes.add(scope)
+        try:
+            with scope:
+                wait = cfg.header_timeout if first else cfg.keepalive_timeout
+                with anyio.move_on_after(wait):
+                    if not await client.wait_first_byte():
+                        return None
+            if scope.cancel_called or (
+                client.bytes_in_cycle == 0 and not client.has_buffered_data()
+            ):
+                return None  # idle timeout, or draining: close quietly
+        finally:
+            self._idle_scopes.discard(scope)
+        status: int
+        try:
+            with client_side(client):
+                with anyio.fail_after(cfg.header_timeout):
+                    event = await client.next_event()
+        except TimeoutError:
+            status, message, outcome = (
+                408,
+                "request headers not received in time",
+                "request_timeout",
+            )
+        except ClientDisconnected:
+            return None
+        except ClientError as exc:
+            status, message, outcome = exc.status_hint, str(exc), exc.kind
+        else:
+            if isinstance(event, h11.Request):
+                return event
+            return None  # ConnectionClosed
+        await answer_error(client, status, message)
+        self.metrics.requests.labels("other", status_class(status)).inc()
+        rec = AccessRecord("-", "-", status=status, outcome=outcome)
+        access_log.info(rec.line())
+        return None
+
+    # ---------------------------------------------------------- metrics side
+
+    async def _handle_metrics(self, stream: anyio.abc.SocketStream) -> None:
+        client = H11Stream(stream, h11.SERVER)
+        try:
+            while True:
+                with anyio.move_on_after(30):
+                    event = await client.next_event()
+                if not isinstance(event, h11.Request):
+                    return
+                while not isinstance(await client.next_event(), h11.EndOfMessage):
+                    pass
+                path = event.target.split(b"?", 1)[0]
+                ctype = b"text/plain; charset=utf-8"
+                if path == b"/metrics":
+                    accept = dict(event.headers).get(b"accept", b"").decode("latin-1")
+                    encoder, ctype_s = choose_encoder(accept)
+                    body, status, ctype = encoder(self.registry), 200, ctype_s.encode()
+                elif path == b"/healthz":
+                    body, status = b"ok\n", 200
+                else:
+                    body, status = b"not found: try /metrics or /healthz\n", 404
+                headers = [(b"Content-Type", ctype), (b"Content-Length", str(len(body)).encode())]
+                await client.send(h11.Response(status_code=status, headers=headers))
+                if event.method != b"HEAD":
+                    await client.send_data(body)
+                await client.send(h11.EndOfMessage())
+                if not client.reusable:
+                    return
+                client.start_next_cycle()
+        except (h11.ProtocolError, anyio.BrokenResourceError, OSError):
+            return
+        finally:
+            await client.aclose()
+
+
+def _bound(listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> tuple[str, int]:
+    inner = getattr(listener, "listeners", [listener])[0]
+    addr = inner.extra(SocketAttribute.local_address)
+    return str(addr[0]), int(addr[1])
+
+
+async def serve(
+    config: Config,
+    registry: CollectorRegistry | None = None,
+    *,
+    task_status: anyio.abc.TaskStatus[Sidecar] = anyio.TASK_STATUS_IGNORED,
+) -> None:
+    """Run a sidecar until cancelled; ``task_status.started`` gets the :class:`Sidecar`."""
+    await Sidecar(config, registry).run(task_status=task_status)
+
+
+def ephemeral_config(upstream: str, **overrides: object) -> Config:
+    """A config whose listeners bind free loopback ports (port 0)."""
+    values: dict[str, object] = {
+        "listen": "127.0.0.1:0",
+        "metrics_listen": "127.0.0.1:0",
+        "upstream": upstream,
+    }
+    values.update(overrides)
+    return Config(**values)  # type: ignore[arg-type]
+
+
+@contextmanager
+def run_in_thread(config: Config, registry: CollectorRegistry | None = None) -> Iterator[Sidecar]:
+    """Run a sidecar on an event loop in a background thread; yield it once bound."""
+    options = {"use_uvloop": True} if _use_uvloop() else {}
+    with start_blocking_portal("asyncio", options) as portal:
+        sidecar = Sidecar(config, registry)
+        future, _ = portal.start_task(sidecar.run)
+        try:
+            yield sidecar
+        finally:
+            portal.call(sidecar.stop)
+            future.result(timeout=10)
+
+
+@dataclass
+class SidecarProcess:
+    """A sidecar in a child process (``python -m sidecar.cli.proxy``)."""
+
+    proc: subprocess.Popen[str]
+    url: str
+    metrics_url: str | None
+    lines: list[str] = field(default_factory=list)
+
+    def terminate(self, timeout: float = 30.0) -> int:
+        """SIGTERM (graceful drain), wait, return the exit code."""
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return self.proc.wait()
+
+
+def config_args(config: Config) -> list[str]:
+    """The ``llama-sidecar proxy`` flags that reproduce ``config``."""
+    args = [
+        "--upstream", config.upstream,
+        "--listen", config.listen,
+        "--metrics-listen", config.metrics_listen or "",
+        "--park-keepalive", str(config.park_keepalive),
+        "--idle-keepalive", str(config.idle_keepalive),
+        "--drain-timeout", str(config.drain_timeout),
+        "--max-body", str(config.max_body),
+        "--header-timeout", str(config.header_timeout),
+        "--upstream-client", config.upstream_client,
+    ]  # fmt: skip
+    if config.early_open_after is not None:
+        args += ["--early-open-after", str(config.early_open_after)]
+    if config.api_key:
+        args += ["--api-key", config.api_key]
+    return args
+
+
+def start_subprocess(
+    config: Config, env: Mapping[str, str] | None = None, timeout: float = 20.0
+) -> SidecarProcess:
+    """Start the sidecar CLI in a child process and wait until it listens."""
+    cmd = [sys.executable, "-m", "sidecar.cli.proxy", *config_args(config)]
+    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
+    )
+    assert proc.stdout is not None
+    lines: list[str] = []
+    deadline = time.monotonic() + timeout
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    try:
+        while time.monotonic() < deadline:
+            if not sel.select(max(0.0, deadline - time.monotonic())):
+                break
+            line = proc.stdout.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = READY_RE.search(line)
+            if m:
+                metrics = None if m.group(2) == "None" else m.group(2)
+                return SidecarProcess(proc, m.group(1), metrics, lines)
+    finally:
+        sel.close()
+    proc.kill()
+    proc.wait()
+    raise RuntimeError("sidecar did not start:\n" + "".join(lines))

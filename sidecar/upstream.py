@@ -1,0 +1,307 @@
+"""Upstream (llama-server) clients: h11 over a small connection pool, or httpx.
+
+Theory of operation
+-------------------
+The relay needs one operation: send a request whose body is an async iterator
+of bytes, get the response head, then read the raw body chunk by chunk, and be
+able to drop the connection at once (a client that goes away must free its
+llama-server slot within 100 ms, which happens when the server sees the socket
+close).  :class:`UpstreamClient` is that interface; two implementations exist
+so the choice can be made by measurement (see ``docs/benchmarks.md``):
+
+* :class:`H11Upstream` (default): an :class:`~sidecar.adapter.H11Stream` per
+  connection and a LIFO pool of idle keep-alive connections.  A pooled
+  connection is checked with a non-blocking ``MSG_PEEK`` before reuse, so one
+  the server has closed meanwhile is discarded instead of failing a request.
+* :class:`HttpxUpstream`: ``httpx.AsyncClient`` streaming with ``aiter_raw``,
+  read timeout off (silence is handled by the keepalive ticker), no default
+  headers (they would alter the forwarded request, e.g. ``Accept-Encoding``).
+
+Both map their failures to :mod:`sidecar.errors` classes: connect refused ->
+``UpstreamConnectError``, connect timeout -> ``UpstreamTimeout``, connection
+lost mid-response -> ``UpstreamDisconnected``, garbage -> ``UpstreamProtocolError``.
+Exceptions raised by the request body iterator (the client side failing)
+propagate unchanged.
+"""
+
+from __future__ import annotations
+
+import select
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import anyio
+import anyio.abc
+import h11
+import httpx
+from anyio.abc import SocketAttribute
+
+from sidecar.adapter import H11Stream
+from sidecar.config import Config
+from sidecar.errors import (
+    PEER_GONE,
+    UpstreamConnectError,
+    UpstreamDisconnected,
+    UpstreamProtocolError,
+    UpstreamTimeout,
+)
+from sidecar.headers import Headers
+
+__all__ = [
+    "H11Upstream",
+    "HttpxUpstream",
+    "ResponseHead",
+    "UpstreamClient",
+    "UpstreamResponse",
+    "make_upstream",
+]
+
+
+@dataclass(slots=True)
+class ResponseHead:
+    status: int
+    reason: bytes
+    headers: Headers
+
+
+class UpstreamResponse(Protocol):
+    head: ResponseHead
+
+    async def receive(self) -> bytes:
+        """The next raw body chunk; ``b""`` once the body ended cleanly."""
+        ...
+
+    async def aclose(self) -> None:
+        """Release the connection: back to the pool if complete, else closed."""
+        ...
+
+
+class UpstreamClient(Protocol):
+    async def request(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: Headers,
+        body: AsyncIterator[bytes] | None,
+    ) -> UpstreamResponse: ...
+
+    async def aclose(self) -> None: ...
+
+
+def make_upstream(config: Config) -> UpstreamClient:
+    if config.upstream_client == "httpx":
+        return HttpxUpstream(config)
+    return H11Upstream(config)
+
+
+# --------------------------------------------------------------------------- h11
+
+
+def _peer_closed(stream: H11Stream) -> bool:
+    """Non-blocking check that an idle pooled connection is still open.
+
+    An idle keep-alive connection must have nothing to read: readability means
+    EOF (the server closed it) or stray bytes, and either way it is discarded.
+    """
+    try:
+        sock = stream.stream.extra(SocketAttribute.raw_socket)
+        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+    except (OSError, ValueError, anyio.TypedAttributeLookupError):
+        return True
+    return bool(readable)
+
+
+class H11Upstream:
+    def __init__(self, config: Config) -> None:
+        self.host, self.port, self.base_path = config.upstream_addr
+        self.connect_timeout = config.connect_timeout
+        self.max_idle = config.upstream_max_idle
+        self._idle: list[H11Stream] = []
+        self._closed = False
+
+    async def _connect(self) -> H11Stream:
+        try:
+            with anyio.fail_after(self.connect_timeout):
+                sock = await anyio.connect_tcp(self.host, self.port)
+        except TimeoutError as exc:
+            raise UpstreamTimeout(f"connect to {self.host}:{self.port} timed out") from exc
+        except OSError as exc:
+            raise UpstreamConnectError(
+                f"cannot connect to upstream {self.host}:{self.port}: {exc.strerror or exc}"
+            ) from exc
+        return H11Stream(sock, h11.CLIENT, max_incomplete_event_size=256 * 1024)
+
+    async def _checkout(self) -> tuple[H11Stream, bool]:
+        while self._idle:
+            conn = self._idle.pop()
+            if not _peer_closed(conn):
+                return conn, True
+            await conn.aclose()
+        return await self._connect(), False
+
+    def _checkin(self, conn: H11Stream) -> bool:
+        if self._closed or len(self._idle) >= self.max_idle or not conn.reusable:
+            return False
+        conn.start_next_cycle()
+        self._idle.append(conn)
+        return True
+
+    async def request(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: Headers,
+        body: AsyncIterator[bytes] | None,
+    ) -> H11Response:
+        if self.base_path:
+            target = self.base_path.encode() + target
+        for attempt in (0, 1):
+            conn, reused = await self._checkout()
+            body_started = False
+            try:
+                try:
+                    await conn.send(h11.Request(method=method, target=target, headers=headers))
+                    if body is not None:
+                        body_started = True
+                        async for chunk in body:
+                            await conn.send_data(chunk)
+                    await conn.send(h11.EndOfMessage())
+                except PEER_GONE as exc:
+                    raise UpstreamDisconnected("upstream closed while sending request") from exc
+                except OSError as exc:
+                    raise UpstreamDisconnected(f"upstream write failed: {exc}") from exc
+                head = await _read_head(conn)
+            except UpstreamDisconnected:
+                await conn.aclose()
+                # A pooled connection the server closed just now: retry once on a
+                # fresh one, unless part of the body was already consumed.
+                if reused and attempt == 0 and not body_started and conn.bytes_in_cycle == 0:
+                    continue
+                raise
+            except BaseException:
+                await conn.aclose()
+                raise
+            return H11Response(self, conn, head)
+        raise AssertionError("unreachable")  # pragma: no cover
+
+    async def aclose(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            await conn.aclose()
+
+
+async def _read_head(conn: H11Stream) -> ResponseHead:
+    while True:
+        event = await _next(conn)
+        if isinstance(event, h11.Response):
+            return ResponseHead(event.status_code, event.reason, list(event.headers.raw_items()))
+        if isinstance(event, h11.InformationalResponse):
+            continue  # 1xx from upstream: the sidecar answers Expect itself
+        raise UpstreamProtocolError(f"unexpected {type(event).__name__} before response")
+
+
+async def _next(conn: H11Stream) -> h11.Event:
+    try:
+        return await conn.next_event()
+    except h11.RemoteProtocolError as exc:
+        if conn.eof:
+            raise UpstreamDisconnected(f"upstream closed the connection: {exc}") from exc
+        raise UpstreamProtocolError(f"bad response from upstream: {exc}") from exc
+
+
+class H11Response:
+    __slots__ = ("_conn", "_done", "_pool", "head")
+
+    def __init__(self, pool: H11Upstream, conn: H11Stream, head: ResponseHead) -> None:
+        self._pool = pool
+        self._conn = conn
+        self._done = False
+        self.head = head
+
+    async def receive(self) -> bytes:
+        if self._done:
+            return b""
+        event = await _next(self._conn)
+        if isinstance(event, h11.Data):
+            return bytes(event.data)
+        if isinstance(event, h11.EndOfMessage):
+            self._done = True
+            return b""
+        if isinstance(event, h11.ConnectionClosed):
+            raise UpstreamDisconnected("upstream closed the connection mid-response")
+        raise UpstreamProtocolError(f"unexpected {type(event).__name__} in response body")
+
+    async def aclose(self) -> None:
+        if not (self._done and self._pool._checkin(self._conn)):
+            await self._conn.aclose()
+
+
+# --------------------------------------------------------------------------- httpx
+
+
+class HttpxUpstream:
+    def __init__(self, config: Config) -> None:
+        self.host, self.port, self.base_path = config.upstream_addr
+        self.client = httpx.AsyncClient(
+            timeout=httpx.Timeout(connect=config.connect_timeout, read=None, write=None, pool=None),
+            limits=httpx.Limits(
+                max_connections=None, max_keepalive_connections=config.upstream_max_idle
+            ),
+            trust_env=False,
+        )
+        for name in list(self.client.headers.keys()):
+            del self.client.headers[name]
+
+    async def request(
+        self,
+        method: bytes,
+        target: bytes,
+        headers: Headers,
+        body: AsyncIterator[bytes] | None,
+    ) -> HttpxResponse:
+        url = httpx.URL(
+            scheme="http",
+            host=self.host,
+            port=self.port,
+            raw_path=self.base_path.encode() + target,
+        )
+        fwd = [(n, v) for n, v in headers if n.lower() != b"transfer-encoding"]
+        request = self.client.build_request(method.decode("ascii"), url, headers=fwd, content=body)
+        try:
+            response = await self.client.send(request, stream=True)
+        except httpx.ConnectTimeout as exc:
+            raise UpstreamTimeout(f"connect to {self.host}:{self.port} timed out") from exc
+        except httpx.ConnectError as exc:
+            raise UpstreamConnectError(f"cannot connect to upstream: {exc}") from exc
+        except (httpx.RemoteProtocolError, httpx.ReadError, httpx.WriteError) as exc:
+            raise UpstreamDisconnected(f"upstream failed: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise UpstreamProtocolError(f"upstream failed: {exc}") from exc
+        head = ResponseHead(
+            response.status_code, response.reason_phrase.encode("latin-1"), response.headers.raw
+        )
+        return HttpxResponse(response, head)
+
+    async def aclose(self) -> None:
+        await self.client.aclose()
+
+
+class HttpxResponse:
+    def __init__(self, response: httpx.Response, head: ResponseHead) -> None:
+        self._response = response
+        self._iter = response.aiter_raw()
+        self.head = head
+
+    async def receive(self) -> bytes:
+        try:
+            return await anext(self._iter, b"")
+        except (httpx.RemoteProtocolError, httpx.ReadError) as exc:
+            raise UpstreamDisconnected(f"upstream closed mid-response: {exc}") from exc
+        except httpx.HTTPError as exc:
+            raise UpstreamProtocolError(f"upstream failed: {exc}") from exc
+
+    async def aclose(self) -> None:
+        with anyio.CancelScope(shield=True), anyio.move_on_after(1.0):
+            await self._response.aclose()

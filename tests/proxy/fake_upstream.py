@@ -1,0 +1,326 @@
+"""A scripted fake llama-server on real loopback sockets.
+
+Each request is answered by a *script* chosen by its path (``fake.route(path,
+script)``) or, failing that, by the ``X-Fake-Script`` request header (a JSON
+list, for ad-hoc use from other processes).  A script is a list of steps:
+
+``("head", status, headers)``  send the response head (h11 picks the framing)
+``("send", bytes)``            send a body chunk (SSE text, notices, ...)
+``("sleep", seconds)``         pause (a park, a stall, prompt processing)
+``("end",)``                   finish the response cleanly
+``("die",)``                   close the socket abruptly (upstream crash)
+``("hang",)``                  wait until the client goes away
+``("echo",)``                  200 with the request body echoed back
+
+Helpers build llama-server-like streams: :func:`sse_head`, :func:`chunk`,
+:func:`park_script`.  Every connection is recorded (:class:`ConnRecord`):
+accept time, requests seen with their headers and body, and ``closed_at``: the
+monotonic time the peer closed the connection, measured by a reader that
+watches the socket while the script runs, so tests can check how fast the
+sidecar drops an upstream connection.
+
+The server runs inside the caller's event loop (``async with FakeUpstream()``)
+or in its own thread (:func:`fake_upstream_in_thread`) for benchmarks and for
+tests that drive the sidecar from another process.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.abc
+import h11
+from anyio.from_thread import start_blocking_portal
+
+Step = tuple[Any, ...]
+Script = list[Step]
+
+SSE_HEADERS = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no-cache")]
+
+
+def sse_head(status: int = 200) -> Step:
+    return ("head", status, SSE_HEADERS)
+
+
+def chunk(i: int, text: str = "tok") -> bytes:
+    """One llama-server-like streaming chunk event."""
+    payload = {
+        "choices": [{"index": 0, "delta": {"content": f"{text}{i}"}}],
+        "object": "chat.completion.chunk",
+    }
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def park_script(
+    before: int = 3, park: float = 6.0, after: int = 3, *, upstream_keepalive: float | None = None
+) -> Script:
+    """Stream, park for ``park`` seconds (optionally with upstream keepalives), resume."""
+    s: Script = [sse_head()]
+    s += [("send", chunk(i)) for i in range(before)]
+    s.append(("send", b": preempted\n\n"))
+    if upstream_keepalive:
+        t = 0.0
+        while t + upstream_keepalive < park:
+            s += [("sleep", upstream_keepalive), ("send", b": preempt-keepalive\n\n")]
+            t += upstream_keepalive
+        s.append(("sleep", park - t))
+    else:
+        s.append(("sleep", park))
+    s.append(("send", b": resumed\n\n"))
+    s += [("send", chunk(i)) for i in range(before, before + after)]
+    s += [("send", b"data: [DONE]\n\n"), ("end",)]
+    return s
+
+
+@dataclass
+class RequestRecord:
+    method: bytes
+    target: bytes
+    headers: list[tuple[bytes, bytes]]
+    body: bytes = b""
+    received_at: float = 0.0
+
+
+@dataclass
+class ConnRecord:
+    accepted_at: float
+    requests: list[RequestRecord] = field(default_factory=list)
+    closed_at: float | None = None  # peer closed (EOF seen while serving or idle)
+    closed: anyio.Event = field(default_factory=anyio.Event)
+
+
+class FakeUpstream:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.host = host
+        self.port = port
+        self.routes: dict[bytes, Script] = {}
+        self.conns: list[ConnRecord] = []
+        self.request_seen = anyio.Event()
+        self._tg: anyio.abc.TaskGroup | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def route(self, path: str, script: Script) -> str:
+        self.routes[path.encode()] = script
+        return path
+
+    @property
+    def requests(self) -> list[RequestRecord]:
+        return [r for c in self.conns for r in c.requests]
+
+    async def __aenter__(self) -> FakeUpstream:
+        self._listener = await anyio.create_tcp_listener(
+            local_host=self.host, local_port=self.port, backlog=4096
+        )
+        self.port = self._listener.extra(anyio.abc.SocketAttribute.local_port)
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        self._tg.start_soon(self._listener.serve, self._handle)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self._tg is not None
+        self._tg.cancel_scope.cancel()
+        await self._tg.__aexit__(None, None, None)
+        await self._listener.aclose()
+
+    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
+        rec = ConnRecord(time.monotonic())
+        self.conns.append(rec)
+        conn = h11.Connection(h11.SERVER)
+        buf = _Reader(stream, conn, rec)
+        try:
+            while True:
+                req = await buf.next_request()
+                if req is None:
+                    return
+                rec.requests.append(req)
+                self.request_seen.set()
+                self.request_seen = anyio.Event()
+                script = self.routes.get(req.target.split(b"?")[0])
+                if script is None:
+                    raw = dict(req.headers).get(b"x-fake-script")
+                    script = _decode_script(raw) if raw else [("echo",)]
+                alive = await self._run(script, req, stream, conn, rec)
+                if not alive or conn.our_state is h11.MUST_CLOSE:
+                    return
+                if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
+                    conn.start_next_cycle()
+                else:
+                    return
+        except (
+            anyio.BrokenResourceError,
+            anyio.ClosedResourceError,
+            ConnectionError,
+            h11.ProtocolError,
+        ):
+            if rec.closed_at is None:
+                rec.closed_at = time.monotonic()
+                rec.closed.set()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
+
+    async def _run(
+        self,
+        script: Script,
+        req: RequestRecord,
+        stream: anyio.abc.SocketStream,
+        conn: h11.Connection,
+        rec: ConnRecord,
+    ) -> bool:
+        """Run the script while a watcher notes when the peer closes; False if closed."""
+        async with anyio.create_task_group() as tg:
+
+            async def watch() -> None:
+                while True:
+                    try:
+                        data = await stream.receive()
+                    except (
+                        anyio.EndOfStream,
+                        anyio.BrokenResourceError,
+                        anyio.ClosedResourceError,
+                        ConnectionError,
+                    ):
+                        data = b""
+                    if not data:
+                        rec.closed_at = time.monotonic()
+                        rec.closed.set()
+                        tg.cancel_scope.cancel()
+                        return
+                    conn.receive_data(data)  # pipelined bytes for the next cycle
+
+            tg.start_soon(watch)
+            for step in script:
+                op = step[0]
+                if op == "head":
+                    await stream.send(conn.send(h11.Response(status_code=step[1], headers=step[2])))
+                elif op == "send":
+                    await stream.send(conn.send(h11.Data(data=step[1])))
+                elif op == "raw":
+                    await stream.send(step[1])
+                elif op == "sleep":
+                    await anyio.sleep(step[1])
+                elif op == "end":
+                    await stream.send(conn.send(h11.EndOfMessage()))
+                elif op == "die":
+                    await stream.aclose()
+                    tg.cancel_scope.cancel()
+                    return False
+                elif op == "hang":
+                    await anyio.sleep_forever()
+                elif op == "echo":
+                    ctype = dict(req.headers).get(b"content-type", b"application/octet-stream")
+                    headers = [
+                        (b"Content-Type", ctype),
+                        (b"Content-Length", str(len(req.body)).encode()),
+                    ]
+                    await stream.send(conn.send(h11.Response(status_code=200, headers=headers)))
+                    if req.method != b"HEAD":
+                        await stream.send(conn.send(h11.Data(data=req.body)))
+                    await stream.send(conn.send(h11.EndOfMessage()))
+                else:  # pragma: no cover
+                    raise ValueError(f"unknown step {op!r}")
+            tg.cancel_scope.cancel()
+        return rec.closed_at is None
+
+
+class _Reader:
+    def __init__(
+        self, stream: anyio.abc.SocketStream, conn: h11.Connection, rec: ConnRecord
+    ) -> None:
+        self.stream = stream
+        self.conn = conn
+        self.rec = rec
+
+    async def _event(self) -> h11.Event | None:
+        while True:
+            ev = self.conn.next_event()
+            if ev is h11.NEED_DATA:
+                try:
+                    data = await self.stream.receive()
+                except (
+                    anyio.EndOfStream,
+                    anyio.BrokenResourceError,
+                    anyio.ClosedResourceError,
+                    ConnectionError,
+                ):
+                    data = b""
+                if not data and self.rec.closed_at is None:
+                    self.rec.closed_at = time.monotonic()
+                    self.rec.closed.set()
+                self.conn.receive_data(data)
+                continue
+            assert isinstance(ev, h11.Event)
+            return ev
+
+    async def next_request(self) -> RequestRecord | None:
+        ev = await self._event()
+        if not isinstance(ev, h11.Request):
+            return None
+        req = RequestRecord(
+            ev.method, ev.target, list(ev.headers.raw_items()), received_at=time.monotonic()
+        )
+        body = bytearray()
+        while True:
+            ev = await self._event()
+            if isinstance(ev, h11.Data):
+                body += ev.data
+            elif isinstance(ev, h11.EndOfMessage):
+                break
+            else:
+                return None
+        req.body = bytes(body)
+        return req
+
+
+def _decode_script(raw: bytes) -> Script:
+    steps = json.loads(raw)
+    out: Script = []
+    for step in steps:
+        if step[0] == "head":
+            out.append(("head", step[1], [(k.encode(), v.encode()) for k, v in step[2]]))
+        elif step[0] == "send":
+            out.append(("send", step[1].encode()))
+        else:
+            out.append(tuple(step))
+    return out
+
+
+def encode_script(script: Script) -> str:
+    """JSON for the ``X-Fake-Script`` header (bytes as text)."""
+    out: list[Any] = []
+    for step in script:
+        if step[0] == "head":
+            out.append(["head", step[1], [[k.decode(), v.decode()] for k, v in step[2]]])
+        elif step[0] == "send":
+            out.append(["send", step[1].decode()])
+        else:
+            out.append(list(step))
+    return json.dumps(out)
+
+
+@contextmanager
+def fake_upstream_in_thread() -> Iterator[FakeUpstream]:
+    """A FakeUpstream served by its own event loop in a background thread."""
+    with start_blocking_portal("asyncio") as portal:
+        fake = FakeUpstream()
+        portal.call(fake.__aenter__)
+        try:
+            yield fake
+        finally:
+            portal.call(fake.__aexit__, None, None, None)
+
+
+@asynccontextmanager
+async def fake_upstream() -> AsyncIterator[FakeUpstream]:
+    async with FakeUpstream() as fake:
+        yield fake
