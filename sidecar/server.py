@@ -30,7 +30,7 @@ Programmatic API
     thread; yields the started :class:`Sidecar` (use ``.url``).  For tests and
     for tools that are not async.
 ``start_subprocess(config, env=None)``
-    Starts ``python -m sidecar.cli.proxy`` with the config as flags, waits for
+    Starts the ``proxy`` command in a child Python with the config as flags, waits for
     its ready line and returns a :class:`SidecarProcess` (``.url``,
     ``.metrics_url``, ``.terminate()`` sends SIGTERM and waits).
 ``ephemeral_config(upstream, **overrides)``
@@ -78,6 +78,7 @@ __all__ = [
 
 log = logging.getLogger("sidecar")
 access_log = logging.getLogger("sidecar.access")
+_SUBPROCESS_MAIN = "from sidecar.cli.proxy import main; main()"
 READY_RE = re.compile(r"listening on (http://\S+) metrics (\S+)")
 
 
@@ -237,9 +238,10 @@ class Sidecar:
             self._idle_scopes.discard(scope)
         status: int
         try:
-            with client_side(client):
-                with anyio.fail_after(cfg.header_timeout):
-                    event = await client.next_event()
+            # fail_after outside client_side: TimeoutError is an OSError, which
+            # client_side would read as a disconnect.
+            with anyio.fail_after(cfg.header_timeout), client_side(client):
+                event = await client.next_event()
         except TimeoutError:
             status, message, outcome = (
                 408,
@@ -251,9 +253,15 @@ class Sidecar:
         except ClientError as exc:
             status, message, outcome = exc.status_hint, str(exc), exc.kind
         else:
-            if isinstance(event, h11.Request):
+            if not isinstance(event, h11.Request):
+                return None  # ConnectionClosed
+            # h11 only limits *incomplete* heads; a whole one that arrived in a
+            # single read is measured here (bytes consumed so far = the head).
+            head_size = client.bytes_in_cycle - len(client.conn.trailing_data[0])
+            if head_size <= cfg.max_header_bytes:
                 return event
-            return None  # ConnectionClosed
+            status, message, outcome = 431, "request header fields too large", "headers_too_large"
+
         await answer_error(client, status, message)
         self.metrics.requests.labels("other", status_class(status)).inc()
         rec = AccessRecord("-", "-", status=status, outcome=outcome)
@@ -381,7 +389,7 @@ def start_subprocess(
     config: Config, env: Mapping[str, str] | None = None, timeout: float = 20.0
 ) -> SidecarProcess:
     """Start the sidecar CLI in a child process and wait until it listens."""
-    cmd = [sys.executable, "-m", "sidecar.cli.proxy", *config_args(config)]
+    cmd = [sys.executable, "-c", _SUBPROCESS_MAIN, *config_args(config)]
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env

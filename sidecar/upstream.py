@@ -251,8 +251,6 @@ class HttpxUpstream:
             ),
             trust_env=False,
         )
-        for name in list(self.client.headers.keys()):
-            del self.client.headers[name]
 
     async def request(
         self,
@@ -269,6 +267,11 @@ class HttpxUpstream:
         )
         fwd = [(n, v) for n, v in headers if n.lower() != b"transfer-encoding"]
         request = self.client.build_request(method.decode("ascii"), url, headers=fwd, content=body)
+        # httpx adds default headers (Accept-Encoding would change the response).
+        given = {n.lower() for n, _ in fwd}
+        for name in (b"accept", b"accept-encoding", b"user-agent", b"connection"):
+            if name not in given and name.decode() in request.headers:
+                del request.headers[name.decode()]
         try:
             response = await self.client.send(request, stream=True)
         except httpx.ConnectTimeout as exc:

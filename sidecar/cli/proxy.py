@@ -24,7 +24,7 @@ import typer
 from sidecar.config import Config
 from sidecar.server import Sidecar, _use_uvloop
 
-__all__ = ["proxy", "run_proxy"]
+__all__ = ["main", "proxy", "run_proxy"]
 
 _E = "LLAMA_SIDECAR_"
 
@@ -148,5 +148,10 @@ async def _main(config: Config) -> None:
                     sidecar.stop()
 
 
-if __name__ == "__main__":
+def main() -> None:
+    """Run only this command (used by :func:`sidecar.server.start_subprocess`)."""
     typer.run(proxy)
+
+
+if __name__ == "__main__":
+    main()
