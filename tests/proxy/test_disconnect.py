@@ -1,0 +1,76 @@
+"""Client disconnect in every phase closes the upstream connection within 100 ms."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from sidecar.server import Sidecar
+from tests.proxy.fake_upstream import FakeUpstream, chunk, sse_head
+from tests.proxy.rawclient import RawConn
+
+pytestmark = pytest.mark.anyio
+
+REQUEST = (
+    b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    b'Content-Length: 16\r\n\r\n{"stream": true}'
+)
+STREAMING = [sse_head(), *[x for i in range(10_000) for x in (("send", chunk(i)), ("sleep", 0.02))]]
+SCRIPTS = {
+    # no upstream head yet: llama-server has the task queued
+    "queued": [("hang",)],
+    # head sent, no token yet: prompt processing
+    "prompt": [sse_head(), ("hang",)],
+    "streaming": STREAMING,
+    "parked": [sse_head(), ("send", chunk(0)), ("send", b": preempted\n\n"), ("hang",)],
+}
+WAIT_FOR = {"queued": None, "prompt": b"\r\n\r\n", "streaming": b"tok3", "parked": b"preempted"}
+
+
+@pytest.mark.parametrize("phase", list(SCRIPTS))
+async def test_disconnect_closes_upstream_fast(
+    fake: FakeUpstream, sidecar: Sidecar, phase: str
+) -> None:
+    fake.route("/v1/chat/completions", SCRIPTS[phase])
+    conn = await RawConn.open(sidecar.url)
+    seen = fake.request_seen
+    await conn.send(REQUEST)
+    with anyio.fail_after(5):
+        await seen.wait()
+    marker = WAIT_FOR[phase]
+    if marker is not None:
+        await conn.read_until(marker)
+    await anyio.sleep(0.2)  # settle in the phase
+    closed_at = await conn.close()
+    upstream = fake.conns[-1]
+    with anyio.fail_after(2):
+        await upstream.closed.wait()
+    assert upstream.closed_at is not None
+    assert upstream.closed_at - closed_at <= 0.1
+    with anyio.fail_after(2):
+        while sidecar.ctx.active:
+            await anyio.sleep(0.01)
+    m = sidecar.metrics
+    assert m.client_disconnects.labels(phase)._value.get() == 1
+    assert sum(m.client_disconnects.labels(p)._value.get() for p in SCRIPTS) == 1
+    assert m.streams_active._value.get() == 0
+    assert m.streams_parked._value.get() == 0
+
+
+async def test_disconnect_during_upload(fake: FakeUpstream, sidecar: Sidecar) -> None:
+    conn = await RawConn.open(sidecar.url)
+    seen = fake.request_seen
+    await conn.send(
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"a" * 1000
+    )
+    await anyio.sleep(0.3)
+    closed_at = await conn.close()
+    assert not seen.is_set()
+    with anyio.fail_after(2):
+        await fake.conns[-1].closed.wait()
+    assert fake.conns[-1].closed_at is not None
+    assert fake.conns[-1].closed_at - closed_at <= 0.1
+    with anyio.fail_after(2):
+        while sidecar.ctx.active:
+            await anyio.sleep(0.01)
+    assert sidecar.metrics.client_disconnects.labels("request")._value.get() == 1
