@@ -1,0 +1,170 @@
+"""`llama-sidecar up`: build, fetch the model, run llama-server and the sidecar, supervise."""
+
+from __future__ import annotations
+
+import json
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from sidecar.cli.build import build_binary
+from sidecar.cli.model import resolve_model
+from sidecar.paths import cache_dir
+from sidecar.supervise import Supervisor, UpConfig, server_supports
+
+
+def _ready_banner(cfg: UpConfig, preempt: bool) -> str:
+    body = json.dumps(
+        {"messages": [{"role": "user", "content": "Say hello"}], "stream": True,
+         "max_tokens": 64}
+    )  # fmt: skip
+    curl = (
+        f"curl -N {cfg.sidecar_url}/v1/chat/completions "
+        f"-H 'Content-Type: application/json' -d {shlex.quote(body)}"
+    )
+    if cfg.api_key:
+        curl += " -H 'Authorization: Bearer $LLAMA_SIDECAR_API_KEY'"
+    parking = (
+        f"on ({'unlimited' if cfg.preempt_ram < 0 else f'{cfg.preempt_ram} MiB'} host RAM)"
+        if preempt and cfg.preempt_ram != 0
+        else "off"
+    )
+    return "\n".join(
+        [
+            "",
+            "llama-sidecar is up",
+            f"  API (through the sidecar): {cfg.sidecar_url}/v1/chat/completions",
+            f"  llama-server (direct):     {cfg.server_url}   metrics: {cfg.server_url}/metrics",
+            f"  sidecar metrics:           {cfg.metrics_url}",
+            f"  model: {cfg.model.name}   slots: {cfg.parallel}   context: {cfg.n_ctx} tokens "
+            f"(shared)   parking: {parking}",
+            f"  llama-server log:          {cfg.server_log}",
+            "try:",
+            f"  {curl}",
+            f"  llama-sidecar probe {cfg.sidecar_url} --streams {cfg.parallel + 1}",
+            "Ctrl-C stops both.",
+            "",
+        ]
+    )
+
+
+def up(
+    server_args: Annotated[
+        list[str] | None,
+        typer.Argument(
+            metavar="-- LLAMA_SERVER_ARGS",
+            help="Extra arguments for llama-server, after `--` (they come last, so they win).",
+            show_default=False,
+        ),
+    ] = None,
+    model: Annotated[
+        Path | None,
+        typer.Option(
+            "--model", "-m", help="A local GGUF file instead of the default Gemma 3 270M."
+        ),
+    ] = None,
+    tiny: Annotated[
+        bool, typer.Option(help="Use the generated tiny test model (random weights).")
+    ] = False,
+    parallel: Annotated[
+        int, typer.Option("--parallel", "-np", min=1, help="llama-server slots.")
+    ] = 4,
+    ctx_size: Annotated[
+        int | None,
+        typer.Option("--ctx-size", "-c", help="Shared KV pool in tokens (default: 4096 per slot)."),
+    ] = None,
+    preempt_ram: Annotated[
+        int,
+        typer.Option(
+            help="MiB of host RAM for parked conversations (-1 unlimited, 0 = parking off)."
+        ),
+    ] = 4096,
+    host: Annotated[str, typer.Option(help="Address the sidecar listens on.")] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="Sidecar port.")] = 8081,
+    server_port: Annotated[
+        int, typer.Option(help="llama-server port (always on loopback).")
+    ] = 8080,
+    metrics_port: Annotated[int, typer.Option(help="Sidecar metrics port (loopback).")] = 9464,
+    ping_interval: Annotated[
+        int, typer.Option(help="llama-server --sse-ping-interval in seconds (-1 disables pings).")
+    ] = 1,
+    api_key: Annotated[
+        str | None,
+        typer.Option(
+            envvar="LLAMA_SIDECAR_API_KEY", help="Require this bearer key at the sidecar."
+        ),
+    ] = None,
+    drain_timeout: Annotated[
+        float, typer.Option(help="On stop, seconds the sidecar lets running streams finish.")
+    ] = 10.0,
+    server_bin: Annotated[
+        Path | None,
+        typer.Option(
+            envvar="LLAMA_SERVER_BIN", help="Use this llama-server binary instead of building."
+        ),
+    ] = None,
+    server_log: Annotated[
+        Path | None,
+        typer.Option(
+            help="llama-server's log file (default: <cache>/logs/llama-server-<port>.log)."
+        ),
+    ] = None,
+    startup_timeout: Annotated[
+        float, typer.Option(help="Seconds to wait for the model to load.")
+    ] = 300.0,
+) -> None:
+    """Run the patched llama-server (unified KV, N slots, parking on) with the sidecar in front.
+
+    Builds llama-server if needed, makes sure the model is there, waits until both answer,
+    prints the URLs, restarts llama-server if it dies, and stops both on Ctrl-C or SIGTERM.
+    """
+    try:
+        binary = server_bin or build_binary()
+        if not binary.is_file():
+            raise FileNotFoundError(f"no llama-server binary at {binary}")
+        model_path = resolve_model(model, tiny=tiny)
+    except ImportError as e:
+        typer.echo(f"error: {e}; install the test extras: pip install -e '.[test]'", err=True)
+        raise typer.Exit(1) from None
+    except (FileNotFoundError, RuntimeError, subprocess.CalledProcessError, OSError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+
+    preempt = preempt_ram != 0 and server_supports(binary, "--preempt-ram")
+    if preempt_ram != 0 and not preempt:
+        typer.echo(
+            f"[up] warning: {binary} has no --preempt-ram (a build without the preemption "
+            "patch); conversations will fail when the KV pool fills instead of parking.",
+            err=True,
+        )
+    cfg = UpConfig(
+        server_bin=binary,
+        model=model_path,
+        host=host,
+        port=port,
+        server_port=server_port,
+        metrics_port=metrics_port,
+        parallel=parallel,
+        ctx_size=ctx_size,
+        preempt_ram=preempt_ram,
+        ping_interval=ping_interval,
+        api_key=api_key,
+        drain_timeout=drain_timeout,
+        startup_timeout=startup_timeout,
+        server_log=server_log or cache_dir() / "logs" / f"llama-server-{server_port}.log",
+        server_args=tuple(server_args or ()),
+    )
+    sup = Supervisor(cfg, preempt=preempt)
+
+    def ready() -> None:
+        typer.echo(_ready_banner(cfg, preempt))
+        sys.stdout.flush()
+
+    rc = sup.run(on_ready=ready)
+    if rc == 0:
+        typer.echo("[up] stopped", err=True)
+    raise typer.Exit(rc)

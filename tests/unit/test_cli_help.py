@@ -1,0 +1,33 @@
+"""`--help` of the program and of every command answers, and names the key options."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from sidecar.cli import app
+
+runner = CliRunner()
+
+COMMANDS = {
+    "build": ["--stock", "--cuda"],
+    "model": ["--tiny"],
+    "proxy": ["--upstream", "--listen", "--metrics-listen", "--park-keepalive"],
+    "up": ["--model", "--tiny", "--parallel", "--preempt-ram", "--server-bin", "LLAMA_SERVER_ARGS"],
+    "probe": ["--streams", "--prompt", "--max-tokens", "--json", "--plot"],
+}
+
+
+def test_top_level_help_lists_every_command() -> None:
+    result = runner.invoke(app, ["--help"])
+    assert result.exit_code == 0, result.output
+    for name in COMMANDS:
+        assert name in result.output
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_command_help(command: str) -> None:
+    result = runner.invoke(app, [command, "--help"], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    for option in COMMANDS[command]:
+        assert option in result.output, f"{command} --help does not mention {option}"
