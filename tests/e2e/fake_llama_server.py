@@ -5,7 +5,8 @@ Takes llama-server's command line (`-m FILE --host H --port P ...`; the rest is 
 answers `/health`, `/metrics` (a few `llamacpp:` families) and streams chat completions
 as llama-server does, with one `: preempted` / `: preempt-keepalive` / `: resumed` park in
 the middle of each stream when `FAKE_PARK_S` is set. `--help` lists `--preempt-ram` unless
-`FAKE_NO_PREEMPT=1`, so `up`'s feature probe can be exercised both ways.
+`FAKE_NO_PREEMPT=1`, so `up`'s feature probe can be exercised both ways; `--fake-fail`
+makes it exit at once like a bad argument would.
 Standard library only; one thread per connection.
 """
 
@@ -95,6 +96,9 @@ def main(argv: list[str]) -> int:
         if os.environ.get("FAKE_NO_PREEMPT") != "1":
             print("  --preempt-ram N    MiB of host RAM for parked states")
         return 0
+    if "--fake-fail" in argv:  # an argument llama-server would reject
+        print("error: invalid argument: --fake-fail", flush=True)
+        return 1
     host, port = "127.0.0.1", 8080
     for i, a in enumerate(argv):
         if a == "--host":

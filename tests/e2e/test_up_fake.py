@@ -1,0 +1,122 @@
+"""`llama-sidecar up` supervising a stand-in llama-server (no C++ build needed).
+
+The same CLI, sidecar and signals as in production; only llama-server is replaced by
+fake_llama_server.py, so these run everywhere and fast. test_up.py repeats the key ones
+against the real patched server and the tiny model.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.upctl import UpProcess, alive, cmdline
+from tests.support.llama import stream_sse
+
+FAKE = Path(__file__).with_name("fake_llama_server.py")
+RunUp = Callable[..., UpProcess]
+
+
+@pytest.fixture
+def fake_model(tmp_path: Path) -> Path:
+    p = tmp_path / "fake.gguf"
+    p.write_bytes(b"GGUF")
+    return p
+
+
+@pytest.fixture
+def run_up(tmp_path: Path, fake_model: Path) -> Iterator[RunUp]:
+    started: list[UpProcess] = []
+
+    def make(*args: str, env: dict[str, str] | None = None, start: bool = True) -> UpProcess:
+        up = UpProcess(["--server-bin", str(FAKE), "--model", str(fake_model), *args],
+                       tmp_path, env=env or {})  # fmt: skip
+        started.append(up)
+        return up.start(timeout=60) if start else up
+
+    yield make
+    for up in started:
+        up.kill()
+
+
+def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def chat(up: UpProcess, tokens: int = 8) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True}
+    log = stream_sse(up.url + "/v1/chat/completions", body, timeout=60)
+    assert log.status == 200 and log.done, log.body()
+    assert len(log.events) == tokens
+
+
+def test_up_serves_through_the_sidecar_and_sigterm_stops_everything(run_up: RunUp) -> None:
+    up = run_up()
+    assert up.url in up.text() and "curl -N" in up.text()
+    chat(up)
+    kids = up.children()
+    assert up.server_pid() in kids
+    assert any("sidecar.cli.proxy" in cmdline(p) for p in kids), [cmdline(p) for p in kids]
+    assert up.terminate() == 0
+    assert [p for p in kids if alive(p)] == []
+    assert "[up] stopped" in up.text()
+
+
+def test_sigkill_of_up_takes_the_children_with_it(run_up: RunUp) -> None:
+    up = run_up()
+    kids = up.children()
+    assert len(kids) >= 2
+    assert up.proc is not None
+    os.kill(up.proc.pid, signal.SIGKILL)
+    up.proc.wait(10)
+    # PR_SET_PDEATHSIG: the kernel kills them; nothing reparented to init survives.
+    wait_until(lambda: not any(alive(p) for p in kids), 10, "the children to die")
+
+
+def test_up_restarts_a_killed_server(run_up: RunUp) -> None:
+    up = run_up()
+    first = up.server_pid()
+    os.kill(first, signal.SIGKILL)
+    wait_until(lambda: "llama-server is back" in up.text(), 30, "the restart")
+    assert "killed by SIGKILL" in up.text()
+    second = up.server_pid()
+    assert second != first
+    up.wait_healthy()
+    chat(up)
+    kids = up.children()
+    assert up.terminate() == 0
+    assert [p for p in kids if alive(p)] == []
+
+
+def test_arguments_after_double_dash_reach_the_server(run_up: RunUp) -> None:
+    up = run_up("--parallel", "2", "--", "--threads", "1")
+    argv = cmdline(up.server_pid())
+    assert "--parallel 2" in argv and argv.rstrip().endswith("--threads 1")
+    assert "--preempt-ram 4096" in argv
+
+
+def test_a_build_without_preemption_is_started_without_the_flag(run_up: RunUp) -> None:
+    up = run_up(env={"FAKE_NO_PREEMPT": "1"})
+    assert "has no --preempt-ram" in up.text()
+    assert "--preempt-ram" not in cmdline(up.server_pid())
+    assert "parking: off" in up.text()
+
+
+def test_a_server_that_cannot_start_fails_fast_with_its_log(run_up: RunUp) -> None:
+    up = run_up("--", "--fake-fail", start=False)
+    with pytest.raises(RuntimeError) as info:
+        up.start(timeout=30)
+    assert up.proc is not None and up.proc.wait(10) == 1
+    text = str(info.value)
+    assert "exited during start-up" in text
+    assert "invalid argument: --fake-fail" in text  # the log tail is shown

@@ -1,0 +1,185 @@
+"""Drive `llama-sidecar up` as a real child process, the way an operator would.
+
+`UpProcess` starts the CLI on free ports, waits for its "is up" banner, finds the
+processes it started (through /proc), and always stops it; `descendants()` is how the
+tests prove that nothing is left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from tests.support.llama import free_port
+
+READY = "llama-sidecar is up"
+
+
+def children_of(pid: int) -> list[int]:
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # pid (comm) state ppid ...; comm may contain spaces and parentheses.
+        fields = stat[stat.rindex(b")") + 2 :].split()
+        if int(fields[1]) == pid:
+            out.append(int(entry))
+    return out
+
+
+def descendants(pid: int) -> list[int]:
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        kids = children_of(todo.pop())
+        found += kids
+        todo += kids
+    return found
+
+
+def alive(pid: int) -> bool:
+    """True for a running process; a zombie (exited, not reaped) counts as gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return False
+    return stat[stat.rindex(b")") + 2 :].split()[0] != b"Z"
+
+
+def cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+@dataclass
+class UpProcess:
+    args: Sequence[str]
+    log_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    server_port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[str] | None = None
+    output: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def server_url(self) -> str:
+        return f"http://127.0.0.1:{self.server_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    @property
+    def server_log(self) -> Path:
+        return self.log_dir / "llama-server.log"
+
+    def start(self, timeout: float = 180.0) -> UpProcess:
+        cmd = [
+            sys.executable, "-c", "from sidecar.cli import main; main()", "up",
+            "--port", str(self.port), "--server-port", str(self.server_port),
+            "--metrics-port", str(self.metrics_port), "--server-log", str(self.server_log),
+            *self.args,
+        ]  # fmt: skip
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        self.proc = subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        ready = threading.Event()
+
+        def pump() -> None:
+            assert self.proc is not None and self.proc.stdout is not None
+            for line in self.proc.stdout:
+                self.output.append(line)
+                if READY in line:
+                    ready.set()
+
+        self._pump = threading.Thread(target=pump, daemon=True)
+        self._pump.start()
+        deadline = time.monotonic() + timeout
+        while not ready.wait(0.2):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise RuntimeError(f"`up` did not come up:\n{self.text()}\n{self.server_tail()}")
+        return self
+
+    def text(self) -> str:
+        return "".join(self.output)
+
+    def server_tail(self, n: int = 30) -> str:
+        if not self.server_log.exists():
+            return ""
+        return "\n".join(self.server_log.read_text(errors="replace").splitlines()[-n:])
+
+    def children(self) -> list[int]:
+        assert self.proc is not None
+        return descendants(self.proc.pid)
+
+    def server_pid(self) -> int:
+        for pid in self.children():
+            if f"--port {self.server_port}" in cmdline(pid) and "--kv-unified" in cmdline(pid):
+                return pid
+        raise LookupError(f"no llama-server among the children of `up`:\n{self.text()}")
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"not healthy through the sidecar after {timeout}s:\n{self.text()}")
+
+    def terminate(self, timeout: float = 60.0) -> int:
+        """SIGTERM `up` itself (not its children) and wait for it to exit."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        rc = self.proc.wait(timeout)
+        self._close()
+        return rc
+
+    def _close(self) -> None:
+        """Read the rest of the output, then close the pipe (no ResourceWarning)."""
+        assert self.proc is not None
+        self._pump.join(10)
+        if self.proc.stdout is not None and not self._pump.is_alive():
+            self.proc.stdout.close()
+
+    def kill(self) -> None:
+        """Teardown of last resort: kill `up` and everything below it."""
+        if self.proc is None:
+            return
+        pids = self.children() if self.proc.poll() is None else []
+        for pid in [self.proc.pid, *pids]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(10)
+        # Grandchildren that outlived `up` would keep the pipe open; they were killed above.
+        self._close()
