@@ -4,7 +4,8 @@
 Takes llama-server's command line (`-m FILE --host H --port P ...`; the rest is ignored),
 answers `/health`, `/metrics` (a few `llamacpp:` families) and streams chat completions
 as llama-server does, with one `: preempted` / `: preempt-keepalive` / `: resumed` park in
-the middle of each stream when `FAKE_PARK_S` is set. `--help` lists `--preempt-ram` unless
+the middle of each stream when `FAKE_PARK_S` is set (keepalives every
+`FAKE_PARK_KEEPALIVE_S`, default 0.5; `0` = a silent park). `--help` lists `--preempt-ram` unless
 `FAKE_NO_PREEMPT=1`, so `up`'s feature probe can be exercised both ways; `--fake-fail`
 makes it exit at once like a bad argument would.
 Standard library only; one thread per connection.
@@ -64,6 +65,7 @@ class Handler(BaseHTTPRequestHandler):
         self.send_header("Transfer-Encoding", "chunked")
         self.end_headers()
         park_s = float(os.environ.get("FAKE_PARK_S") or 0)
+        ka_s = float(os.environ.get("FAKE_PARK_KEEPALIVE_S", "0.5"))
         try:
             for i in range(tokens):
                 if park_s and i == tokens // 2:
@@ -72,7 +74,11 @@ class Handler(BaseHTTPRequestHandler):
                     self._chunk(b": preempted\n\n")
                     deadline = time.monotonic() + park_s
                     while time.monotonic() < deadline:
-                        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+                        left = deadline - time.monotonic()
+                        if not ka_s:  # a silent park
+                            time.sleep(max(0.0, left))
+                            break
+                        time.sleep(min(ka_s, max(0.0, left)))
                         self._chunk(b": preempt-keepalive\n\n")
                     STATE["parked"] -= 1
                     STATE["resumes"] += 1

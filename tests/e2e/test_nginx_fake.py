@@ -1,0 +1,76 @@
+"""docs/nginx.conf in a real nginx, in front of `up` with a stand-in llama-server.
+
+The stand-in parks each stream for 3 s in total silence (no server keepalives), and
+nginx's proxy_read_timeout is cut to 1 s: through the sidecar the stream completes
+(the sidecar writes `: preempt-keepalive` while parked); straight to the server, nginx
+cuts it, which shows the test measures what it claims. test_nginx.py does the same with
+the real patched server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.nginxctl import NGINX, Nginx, start_nginx
+from tests.e2e.test_up_fake import FAKE
+from tests.e2e.upctl import UpProcess
+from tests.support.llama import stream_sse
+
+pytestmark = [
+    pytest.mark.nginx,
+    pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx)"),
+]
+
+BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "stream": True}
+PARK_S = 3.0
+
+
+@pytest.fixture
+def parked_up(tmp_path: Path) -> Iterator[UpProcess]:
+    model = tmp_path / "fake.gguf"
+    model.write_bytes(b"GGUF")
+    env = {"FAKE_PARK_S": str(PARK_S), "FAKE_PARK_KEEPALIVE_S": "0",
+           "LLAMA_SIDECAR_PARK_KEEPALIVE": "0.3"}  # fmt: skip
+    up = UpProcess(["--server-bin", str(FAKE), "--model", str(model)], tmp_path / "up", env=env)
+    up.log_dir.mkdir()
+    try:
+        yield up.start(timeout=60)
+    finally:
+        up.kill()
+
+
+@pytest.fixture
+def nginx_factory(tmp_path: Path) -> Iterator[list[Nginx]]:
+    started: list[Nginx] = []
+    yield started
+    for n in started:
+        n.stop()
+
+
+def test_silent_park_longer_than_proxy_read_timeout_survives_through_the_sidecar(
+    parked_up: UpProcess, nginx_factory: list[Nginx], tmp_path: Path
+) -> None:
+    nginx = start_nginx(tmp_path / "nginx", parked_up.port, read_timeout="1s")
+    nginx_factory.append(nginx)
+    log = stream_sse(nginx.url + "/v1/chat/completions", BODY, timeout=30)
+    assert log.status == 200 and log.done, (log.error, log.body(), nginx.error_log())
+    assert len(log.events) == 10
+    notices = [ln for _, ln in log.comments]
+    assert notices[0] == ": preempted" and notices[-1] == ": resumed"
+    assert notices.count(": preempt-keepalive") >= 3  # written by the sidecar
+    parked = [t for t, ln in log.comments if ln in (": preempted", ": resumed")]
+    assert parked[1] - parked[0] >= PARK_S - 0.2  # the park really outlasted the timeout
+
+
+def test_control_the_same_park_straight_to_the_server_is_cut_by_nginx(
+    parked_up: UpProcess, nginx_factory: list[Nginx], tmp_path: Path
+) -> None:
+    nginx = start_nginx(tmp_path / "nginx", parked_up.server_port, read_timeout="1s")
+    nginx_factory.append(nginx)
+    log = stream_sse(nginx.url + "/v1/chat/completions", BODY, timeout=30)
+    assert not log.done
+    assert log.error is not None  # nginx closed the response without its last chunk
+    assert "upstream timed out" in nginx.error_log()
