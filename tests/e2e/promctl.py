@@ -1,0 +1,131 @@
+"""Run a real Prometheus (and promtool) for a test; substitute Grafana variables in PromQL."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from tests.support.llama import free_port
+
+REPO = Path(__file__).resolve().parents[2]
+GRAFANA = REPO / "grafana"
+PROMETHEUS = shutil.which("prometheus")
+PROMTOOL = shutil.which("promtool")
+
+# What Grafana puts in place of its variables when it sends a query.
+GRAFANA_VARS = {
+    "$__rate_interval": "1m",
+    "$__interval": "15s",
+    "$__range": "1h",
+    "$sidecar": ".*",
+    "$server": ".*",
+    "$proxy_timeout": "60",
+}
+
+
+def dashboard() -> dict[str, Any]:
+    doc: dict[str, Any] = json.loads((GRAFANA / "dashboard.json").read_text())
+    return doc
+
+
+def panels(doc: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    for p in doc["panels"]:
+        yield p
+        yield from p.get("panels", [])  # collapsed rows keep their panels inside
+
+
+def dashboard_queries(doc: Mapping[str, Any]) -> list[tuple[str, str]]:
+    """(panel title, PromQL with the Grafana variables substituted) for every target."""
+    out = []
+    for p in panels(doc):
+        for t in p.get("targets", []):
+            expr = t["expr"]
+            for var in sorted(GRAFANA_VARS, key=len, reverse=True):
+                expr = expr.replace(var, GRAFANA_VARS[var])
+            assert "$" not in expr, f"unsubstituted variable in {p['title']!r}: {expr}"
+            out.append((p["title"], expr))
+    return out
+
+
+def metric_names(expr: str) -> set[str]:
+    return set(re.findall(r"\b(llama_sidecar_\w+|llamacpp:\w+)", expr))
+
+
+@dataclass
+class Prometheus:
+    tmp: Path
+    config: str
+    port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> Prometheus:
+        assert PROMETHEUS is not None
+        self.port = self.port or free_port()
+        self.tmp.mkdir(parents=True, exist_ok=True)
+        cfg = self.tmp / "prometheus.yml"
+        cfg.write_text(self.config)
+        self._log = open(self.tmp / "prometheus.log", "wb")  # noqa: SIM115 - closed in stop()
+        self.proc = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={self.tmp / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"],
+            stdout=self._log, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.proc.poll() is None, self.log()
+            try:
+                if httpx.get(self.url + "/-/ready", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError("prometheus not ready:\n" + self.log())
+
+    def log(self) -> str:
+        p = self.tmp / "prometheus.log"
+        return p.read_text(errors="replace")[-4000:] if p.exists() else ""
+
+    def query(self, expr: str) -> dict[str, Any]:
+        """The raw API answer (status, data or errorType/error) of an instant query."""
+        r = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=30.0)
+        doc: dict[str, Any] = r.json()
+        return doc
+
+    def targets_up(self) -> dict[str, str]:
+        r = httpx.get(self.url + "/api/v1/targets", timeout=10.0).json()
+        return {t["labels"]["job"]: t["health"] for t in r["data"]["activeTargets"]}
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+        if self.proc is not None:
+            self._log.close()
+
+
+def scrape_config(sidecar_metrics: str, server: str, interval: str = "1s") -> str:
+    """grafana/prometheus.yml with the targets and intervals of a test run."""
+    text = (GRAFANA / "prometheus.yml").read_text()
+    text = text.replace('"127.0.0.1:9464"', f'"{sidecar_metrics}"')
+    text = text.replace('"127.0.0.1:8080"', f'"{server}"')
+    text = re.sub(r"(scrape|evaluation)_interval: \S+", rf"\1_interval: {interval}", text)
+    text = text.replace("  - alerts.yml", f"  - {GRAFANA / 'alerts.yml'}")
+    assert sidecar_metrics in text and server in text
+    return text
