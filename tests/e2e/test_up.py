@@ -1,0 +1,70 @@
+"""`llama-sidecar up --tiny` with the real patched llama-server and the sidecar."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.upctl import UpProcess, alive, cmdline
+from tests.support.llama import stream_sse
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+RunUp = Callable[..., UpProcess]
+CHAT = {"messages": [{"role": "user", "content": "Hello"}], "max_tokens": 24, "stream": True,
+        "ignore_eos": True}  # fmt: skip
+
+
+@pytest.fixture
+def run_up(tmp_path: Path, llama_server_bin: Path, tiny_model: Path) -> Iterator[RunUp]:
+    started: list[UpProcess] = []
+
+    def make(*args: str, env: dict[str, str] | None = None) -> UpProcess:
+        up = UpProcess(["--server-bin", str(llama_server_bin), *args], tmp_path, env=env or {})
+        started.append(up)
+        return up.start(timeout=240)
+
+    yield make
+    for up in started:
+        up.kill()
+
+
+def test_up_tiny_serves_a_streamed_chat_and_sigterm_leaves_nothing(run_up: RunUp) -> None:
+    up = run_up("--tiny", "--parallel", "2", "--ctx-size", "512", "--", "-t", "1")
+    server = up.server_pid()
+    argv = cmdline(server)
+    for flag in ("--kv-unified", "--parallel 2", "--metrics", "--sse-ping-interval 1"):
+        assert flag in argv
+    log = stream_sse(up.url + "/v1/chat/completions", CHAT, timeout=120)
+    assert log.status == 200 and log.done, log.body()
+    assert log.content() and len(log.events) >= 20
+    # Both the sidecar's and llama-server's metrics answer.
+    assert "llama_sidecar_requests_total" in httpx.get(up.metrics_url, timeout=10).text
+    assert "llamacpp:" in httpx.get(up.server_url + "/metrics", timeout=10).text
+    kids = up.children()
+    assert server in kids and len(kids) >= 2
+    assert up.terminate(timeout=60) == 0
+    assert [(p, cmdline(p)) for p in kids if alive(p)] == []
+
+
+def test_up_restarts_a_killed_llama_server(run_up: RunUp) -> None:
+    up = run_up("--tiny", "--parallel", "2", "--ctx-size", "512", "--", "-t", "1")
+    first = up.server_pid()
+    os.kill(first, signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while "llama-server is back" not in up.text():
+        assert time.monotonic() < deadline, up.text()
+        time.sleep(0.2)
+    assert up.server_pid() != first
+    up.wait_healthy()
+    log = stream_sse(up.url + "/v1/chat/completions", CHAT, timeout=120)
+    assert log.status == 200 and log.done, log.body()
+    kids = up.children()
+    assert up.terminate(timeout=60) == 0
+    assert [p for p in kids if alive(p)] == []
