@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 ARGS = ["-c", "32768", "-np", "2", "--kv-unified", "-b", "64", "-ub", "64",
         "--sse-ping-interval", "1", "-t", "1", "-tb", "1"]
-LONG_PROMPT = [1] + [259 + (i * 7919) % 190 for i in range(25_000)]
+LONG_PROMPT = [1] + [259 + (i * 7919) % 180 for i in range(25_000)]
 
 
 def busy_prefill(srv: LlamaServer) -> tuple[StreamLog, list[float]]:
@@ -86,4 +86,6 @@ def test_stock_server_starves_pings_while_busy(start_server: StartServer,
     srv = start_server(args=ARGS, binary=stock_server_bin)
     b, a_times = busy_prefill(srv)
     window, n_pings = check_scenario(b, a_times)
-    assert n_pings == 0, f"stock sent {n_pings} pings in {window:.1f}s: has upstream fixed the wait?"
+    # A ping can slip through only when the busy stream itself stalls for a whole second
+    # (a descheduled process on a loaded machine); the patched server sends one every second.
+    assert n_pings <= window / 5, f"stock sent {n_pings} pings in {window:.1f}s: has upstream fixed the wait?"
