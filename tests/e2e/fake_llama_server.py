@@ -19,7 +19,7 @@ import sys
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-STATE = {"parks": 0, "resumes": 0, "parked": 0}
+STATE = {"parks": 0, "resumes": 0, "parked": 0, "tokens": 0}
 
 
 class Handler(BaseHTTPRequestHandler):
@@ -47,6 +47,14 @@ class Handler(BaseHTTPRequestHandler):
                 f"llamacpp:n_resume_total {STATE['resumes']}\n"
                 "# TYPE llamacpp:requests_preempted gauge\n"
                 f"llamacpp:requests_preempted {STATE['parked']}\n"
+                "# TYPE llamacpp:preempt_recompute_total counter\n"
+                "llamacpp:preempt_recompute_total 0\n"
+                "# TYPE llamacpp:preempt_ram_bytes gauge\n"
+                f"llamacpp:preempt_ram_bytes {STATE['parked'] * 1048576}\n"
+                "# TYPE llamacpp:n_decode_total counter\n"
+                f"llamacpp:n_decode_total {STATE['tokens']}\n"
+                "# TYPE llamacpp:tokens_predicted_total counter\n"
+                f"llamacpp:tokens_predicted_total {STATE['tokens']}\n"
             )
             self._send(200, text.encode(), "text/plain; version=0.0.4")
         else:
@@ -84,6 +92,7 @@ class Handler(BaseHTTPRequestHandler):
                     STATE["resumes"] += 1
                     self._chunk(b": resumed\n\n")
                 ev = {"choices": [{"index": 0, "delta": {"content": "tok "}}]}
+                STATE["tokens"] += 1
                 self._chunk(b"data: " + json.dumps(ev).encode() + b"\n\n")
                 time.sleep(0.005)
             self._chunk(b"data: [DONE]\n\n")

@@ -104,9 +104,21 @@ class Prometheus:
         doc: dict[str, Any] = r.json()
         return doc
 
-    def targets_up(self) -> dict[str, str]:
-        r = httpx.get(self.url + "/api/v1/targets", timeout=10.0).json()
-        return {t["labels"]["job"]: t["health"] for t in r["data"]["activeTargets"]}
+    def wait_for(self, expr: str, timeout: float = 60.0) -> list[dict[str, Any]]:
+        """Poll an instant query until it returns data (a valid query is asserted)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            ans = self.query(expr)
+            assert ans["status"] == "success", ans
+            if ans["data"]["result"]:
+                return list(ans["data"]["result"])
+            assert time.monotonic() < deadline, f"no data for {expr} in {timeout}s"
+            time.sleep(0.5)
+
+    def wait_scraping(self, timeout: float = 60.0) -> None:
+        """Both jobs scraped successfully (target discovery alone takes up to 5 s)."""
+        self.wait_for('up{job="llama-server"} == 1', timeout)
+        self.wait_for('up{job="llama-sidecar"} == 1', timeout)
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -1,0 +1,48 @@
+"""Fixtures for the end-to-end tests: `up` as an operator runs it, with the real binary."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from sidecar.supervise import server_supports
+from tests.e2e.upctl import UpProcess
+
+RunUp = Callable[..., UpProcess]
+
+# Two streams that cannot fit the 256-cell pool together (PREEMPTION.md, issue 4 test 2).
+OVERFLOW_ARGS = ("--parallel", "2", "--ctx-size", "256", "--preempt-ram", "8192")
+
+
+@pytest.fixture(scope="session")
+def preempting_server_bin(llama_server_bin: Path) -> Path:
+    """The patched binary, which must have KV preemption (`--preempt-ram`, issue 4).
+
+    Fails rather than skips: these tests exist to show parking end to end, and a build
+    without it would make them pass vacuously or not at all.
+    """
+    if not server_supports(llama_server_bin, "--preempt-ram"):
+        pytest.fail(
+            f"{llama_server_bin} has no --preempt-ram: the KV preemption patch (issue 4) "
+            "is not in server_patch/series yet, or the binary is stale (./build_llama.sh)"
+        )
+    return llama_server_bin
+
+
+@pytest.fixture
+def run_preempting_up(tmp_path: Path, preempting_server_bin: Path) -> Iterator[RunUp]:
+    """Factory: run_preempting_up(*up_args, env=...) -> a started UpProcess (always stopped)."""
+    started: list[UpProcess] = []
+
+    def make(*args: str, env: dict[str, str] | None = None) -> UpProcess:
+        up = UpProcess(["--server-bin", str(preempting_server_bin), *args],
+                       tmp_path / f"up{len(started)}", env=env or {})  # fmt: skip
+        up.log_dir.mkdir(parents=True)
+        started.append(up)
+        return up.start(timeout=240)
+
+    yield make
+    for up in started:
+        up.kill()
