@@ -223,6 +223,7 @@ def _comment_kind(text: str) -> NoticeKind | str:
 
 def summarize(rec: StreamRecord) -> StreamSummary:
     parks = resumes = recomputes = keepalives = pings = tokens = 0
+    server_tokens: int | None = None
     done = False
     error = rec.error
     parked_since: dict[int | None, float] = {}
@@ -261,6 +262,11 @@ def summarize(rec: StreamRecord) -> StreamSummary:
         except ValueError:
             continue
         if isinstance(payload, dict):
+            # The server's own count in the final event: events carry pieces of text, and
+            # a token that ends inside a UTF-8 character sends no text of its own.
+            timings = payload.get("timings")
+            if isinstance(timings, dict) and isinstance(timings.get("predicted_n"), int):
+                server_tokens = timings["predicted_n"]
             if payload.get("error"):
                 err = payload["error"]
                 error = error or (err.get("message") if isinstance(err, dict) else str(err))
@@ -278,9 +284,11 @@ def summarize(rec: StreamRecord) -> StreamSummary:
     stamps += [t for t, _ in rec.lines] + [rec.t_end]
     silence = max((b - a for a, b in itertools.pairwise(stamps)), default=0.0)
     ttft = token_times[0] - rec.t_start if token_times else None
+    if server_tokens is not None:
+        tokens = server_tokens
     tps = None
     if len(token_times) >= 2 and token_times[-1] > token_times[0]:
-        tps = (len(token_times) - 1) / (token_times[-1] - token_times[0])
+        tps = (tokens - 1) / (token_times[-1] - token_times[0])
     if rec.status is not None and rec.status != 200 and error is None:
         error = f"HTTP {rec.status}: " + " ".join(text for _, text in rec.lines)[:200]
     outcome = "error" if error or rec.status != 200 else ("done" if done else "truncated")

@@ -35,6 +35,7 @@ import ctypes.util
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -170,6 +171,32 @@ def sidecar_argv(cfg: UpConfig) -> list[str]:
     if cfg.api_key:
         argv += ["--api-key", cfg.api_key]
     return argv + list(cfg.sidecar_args)
+
+
+def port_in_use(host: str, port: int) -> bool:
+    """Whether binding `host:port` fails now (something listens there already)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def busy_ports(cfg: UpConfig) -> list[str]:
+    """The listeners of `cfg` whose port is taken, as "what (host:port)" strings."""
+    wanted = [
+        ("llama-server", cfg.server_host, cfg.server_port, "--server-port"),
+        ("the sidecar", cfg.host, cfg.port, "--port"),
+        ("the sidecar's metrics", cfg.metrics_host, cfg.metrics_port, "--metrics-port"),
+    ]
+    return [
+        f"{what} ({_url_host(host)}:{port}; choose another with {flag})"
+        for what, host, port, flag in wanted
+        if port and port_in_use(host, port)
+    ]
 
 
 def _libc_prctl() -> Callable[..., int] | None:
@@ -377,13 +404,22 @@ class Supervisor:
         old = {s: signal.signal(s, self._on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
         try:
             try:
+                # Otherwise an old llama-server on the port would answer our health check.
+                busy = busy_ports(self.cfg)
+                if busy:
+                    raise StartupError(
+                        "port already in use for "
+                        + ", ".join(busy)
+                        + ". Is another `llama-sidecar up` or llama-server running?"
+                    )
                 self.echo(f"[up] starting llama-server on {self.cfg.server_url}")
                 self._start_server()
                 self.echo(f"[up] starting the sidecar on {self.cfg.sidecar_url}")
                 self._start_sidecar()
             except StartupError as e:
                 self.echo(f"[up] error: {e}")
-                self._explain(self.server if not self.server.alive() else self.sidecar)
+                if self.server.proc is not None:
+                    self._explain(self.server if not self.server.alive() else self.sidecar)
                 return 1
             if on_ready is not None:
                 on_ready()

@@ -120,3 +120,14 @@ def test_a_server_that_cannot_start_fails_fast_with_its_log(run_up: RunUp) -> No
     text = str(info.value)
     assert "exited during start-up" in text
     assert "invalid argument: --fake-fail" in text  # the log tail is shown
+
+
+def test_a_second_up_on_the_same_ports_refuses_to_start(run_up: RunUp) -> None:
+    first = run_up()
+    second = run_up(start=False)
+    second.port, second.server_port = first.port, first.server_port
+    with pytest.raises(RuntimeError) as info:
+        second.start(timeout=30)
+    assert "port already in use for llama-server" in str(info.value)
+    assert "--server-port" in str(info.value)
+    first.wait_healthy()  # the first one is unharmed

@@ -115,6 +115,13 @@ def test_summarize_errors() -> None:
     assert s.outcome == "error" and s.error == "context full"
 
 
+def test_token_count_comes_from_the_server_when_it_says() -> None:
+    final = 'data: {"choices": [{"delta": {}}], "timings": {"predicted_n": 5}}'
+    lines = [(0.1, chat("a")), (0.2, chat("b")), (0.3, final), (0.3, "data: [DONE]")]
+    s = summarize(StreamRecord(0, 0.0, 0.05, 0.35, 200, lines))
+    assert s.tokens == 5 and s.outcome == "done"
+
+
 def test_native_completion_stream() -> None:
     lines = [(0.1, 'data: {"content": "a", "stop": false}'),
              (0.2, 'data: {"content": "b", "stop": false}'),

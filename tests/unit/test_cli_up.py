@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from pathlib import Path
 
 import pytest
@@ -71,3 +72,14 @@ def test_backoff_doubles_to_the_cap_and_resets_after_a_stable_run(
     child.started_at = now[0]
     now[0] += supervise.STABLE_AFTER_S + 1
     assert child.next_backoff() == 1
+
+
+def test_busy_ports_names_the_listener_and_the_flag() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        taken = s.getsockname()[1]
+        assert supervise.port_in_use("127.0.0.1", taken)
+        busy = supervise.busy_ports(cfg(server_port=taken, port=0, metrics_port=0))
+        assert busy == [f"llama-server (127.0.0.1:{taken}; choose another with --server-port)"]
+    assert not supervise.port_in_use("127.0.0.1", taken)
