@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import typer
 
-from sidecar.cli import build, model, probe, up
+from sidecar.cli import build, model, probe, proxy, up
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -17,6 +17,7 @@ app = typer.Typer(
 )
 app.command()(build.build)
 app.command()(model.model)
+app.command()(proxy.proxy)
 app.command()(up.up)
 app.command()(probe.probe)
 
