@@ -2,9 +2,6 @@
 VENV   ?= .venv
 PYTHON ?= python3
 PY     := $(VENV)/bin/python
-HOST   ?= 127.0.0.1
-PORT   ?= 8080
-SLOTS  ?= 4
 PYTEST_ARGS ?=
 
 .PHONY: up test venv build build-stock lint clean-venv
@@ -22,12 +19,11 @@ build: venv
 build-stock: venv
 	PYTHON=$(PY) ./build_llama.sh --stock >/dev/null
 
-# Run the patched llama-server (unified KV, $(SLOTS) slots) with the default Gemma model.
+# The patched llama-server (unified KV, 4 slots, parking on) with the default Gemma model,
+# the sidecar in front on 127.0.0.1:8081 and its metrics on :9464. UP_ARGS adds options.
+UP_ARGS ?=
 up: build
-	@model=$$($(VENV)/bin/llama-sidecar model) && bin=$$(./build_llama.sh --print-path) && \
-	echo "llama-server on http://$(HOST):$(PORT) with $$model" && \
-	exec $$bin -m $$model --host $(HOST) --port $(PORT) --kv-unified --parallel $(SLOTS) \
-	    -c $$((4096 * $(SLOTS))) --metrics --slots --sse-ping-interval 1
+	$(VENV)/bin/llama-sidecar up $(UP_ARGS)
 
 # Everything: the venv, both builds (patched and stock, cached after the first run), all tests.
 test: build build-stock
