@@ -9,7 +9,9 @@
 # keyed by source + patches + flags, so a second call with the same inputs is instant.
 # Progress goes to stderr; the path of the built binary is the only line on stdout.
 set -euo pipefail
-
+# The whole script is one compound command, parsed before it runs: editing this file while a
+# build is in progress cannot change what that build does.
+{
 here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 patch_dir="$here/server_patch"
 # shellcheck source=server_patch/upstream.env
@@ -32,7 +34,8 @@ Options:
   --jobs N       parallel compile jobs (default: all cores)
   --print-path   print where the binary is (or would be) and exit; 1 if not built yet
   --quiet        no progress output
-Cache: \$LLAMA_SIDECAR_CACHE (now: $cache)
+Environment: LLAMA_SIDECAR_CACHE (now: $cache), JOBS, CUDA_ARCH (--cuda), PYTHON (for pip),
+LLAMA_CMAKE_ARGS (extra cmake options, part of the cache key).
 EOF
 }
 
@@ -73,6 +76,9 @@ if [ "$cuda" = 1 ]; then
     cmake_flags+=(-DGGML_CUDA=ON "-DCMAKE_CUDA_ARCHITECTURES=${CUDA_ARCH:-native}")
     variant=cuda
 fi
+# Extra configure options (part of the cache key), e.g. LLAMA_CMAKE_ARGS="-DGGML_CUDA_FA=OFF".
+# shellcheck disable=SC2206
+[ -z "${LLAMA_CMAKE_ARGS:-}" ] || cmake_flags+=(${LLAMA_CMAKE_ARGS})
 if command -v ccache >/dev/null 2>&1; then
     cmake_flags+=(-DGGML_CCACHE=ON)
     export CCACHE_DIR=${CCACHE_DIR:-$cache/ccache}
@@ -203,3 +209,5 @@ cp "$build/bin/llama-server" "$binary.tmp" && mv "$binary.tmp" "$binary"
 { echo "source: $src_id"; echo "variant: $variant stock=$stock"; printf 'patch: %s\n' "${series_files[@]##*/}"; } > "$out_dir/BUILD-INFO"
 say "done: $binary"
 echo "$binary"
+exit 0
+}
