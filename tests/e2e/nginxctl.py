@@ -92,3 +92,19 @@ class Nginx:
 def start_nginx(tmp: Path, upstream_port: int, read_timeout: str | None = None) -> Nginx:
     port = free_port()
     return Nginx(tmp, site_config(upstream_port, port, read_timeout), port).start()
+
+
+PAIRS = REPO / "docs" / "deploy" / "nginx-pairs.conf"
+
+
+def pairs_config(sidecar_ports: list[int], listen_port: int) -> str:
+    """docs/deploy/nginx-pairs.conf with its example servers replaced by local sidecars."""
+    text = PAIRS.read_text()
+    servers = re.findall(r"^ *server 10\.0\.0\.\d+:8081 .*;\n", text, flags=re.M)
+    assert len(servers) == 3, "docs/deploy/nginx-pairs.conf no longer has the example lines"
+    local = "".join(f"    server 127.0.0.1:{p} max_fails=3 fail_timeout=10s;\n"
+                    for p in sidecar_ports)  # fmt: skip
+    text = text.replace("".join(servers), local)
+    text, n = re.subn(r"listen 8000;", f"listen 127.0.0.1:{listen_port};", text)
+    assert n == 1
+    return text

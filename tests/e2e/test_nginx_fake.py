@@ -9,15 +9,18 @@ the real patched server.
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
-from tests.e2e.nginxctl import NGINX, Nginx, start_nginx
+from tests.e2e.nginxctl import NGINX, Nginx, pairs_config, start_nginx
 from tests.e2e.test_up_fake import FAKE
 from tests.e2e.upctl import UpProcess
-from tests.support.llama import stream_sse
+from tests.support.llama import StreamLog, free_port, parse_metrics, stream_sse
 
 pytestmark = [
     pytest.mark.nginx,
@@ -74,3 +77,40 @@ def test_control_the_same_park_straight_to_the_server_is_cut_by_nginx(
     assert not log.done
     assert log.error is not None  # nginx closed the response without its last chunk
     assert "upstream timed out" in nginx.error_log()
+
+
+def test_deploy_pairs_config_spreads_streams_over_two_pairs(tmp_path: Path) -> None:
+    """docs/deploy/nginx-pairs.conf (least_conn) over two `up` pairs: four concurrent
+    streams land two on each pair (each pair's sidecar counts its own)."""
+    model = tmp_path / "fake.gguf"
+    model.write_bytes(b"GGUF")
+    ups = [UpProcess(["--server-bin", str(FAKE), "--model", str(model)], tmp_path / f"pair{i}",
+                     env={"FAKE_PARK_S": "1.5"}) for i in range(2)]  # fmt: skip
+    nginx = None
+    try:
+        for up in ups:
+            up.log_dir.mkdir()
+            up.start(timeout=60)
+        port = free_port()
+        nginx = Nginx(tmp_path / "nginx", pairs_config([u.port for u in ups], port), port)
+        nginx.start()
+        logs: list[StreamLog] = []
+        url = nginx.url + "/v1/chat/completions"
+        threads = [threading.Thread(target=lambda: logs.append(stream_sse(url, BODY)))
+                   for _ in range(4)]  # fmt: skip
+        for th in threads:
+            th.start()
+            time.sleep(0.2)  # least_conn sees the earlier streams as open connections
+        for th in threads:
+            th.join(60)
+        assert len(logs) == 4 and all(log.done for log in logs), nginx.error_log()
+        served = []
+        for up in ups:
+            m = parse_metrics(httpx.get(up.metrics_url, timeout=10).text, "llama_sidecar_")
+            served.append(m.get("requests_total{route=/v1/chat/completions,status_class=2xx}"))
+        assert served == [2.0, 2.0], served
+    finally:
+        if nginx is not None:
+            nginx.stop()
+        for up in ups:
+            up.kill()
