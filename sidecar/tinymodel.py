@@ -18,6 +18,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
 
 SPACE = "\u2581"  # SentencePiece's word-start marker
 
@@ -72,7 +76,7 @@ def write_model(path: str | os.PathLike[str], spec: TinySpec = SPECS["tiny"]) ->
     head_dim = d // spec.n_head
     dtype = np.float32 if d <= 256 else np.float16
 
-    def normal(shape: tuple[int, ...], std: float) -> object:
+    def normal(shape: tuple[int, ...], std: float) -> npt.NDArray[Any]:
         return (rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype)
 
     tmp = path.with_suffix(f".tmp{os.getpid()}")

