@@ -47,6 +47,7 @@ import selectors
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Awaitable, Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -354,15 +355,31 @@ class SidecarProcess:
     metrics_url: str | None
     lines: list[str] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        # Keep reading the child's output so a chatty access log never blocks it.
+        self._reader = threading.Thread(target=self._drain_output, daemon=True)
+        self._reader.start()
+
+    def _drain_output(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            if len(self.lines) > 10_000:
+                del self.lines[:5_000]
+
     def terminate(self, timeout: float = 30.0) -> int:
         """SIGTERM (graceful drain), wait, return the exit code."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout)
+            code = self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
-            return self.proc.wait()
+            code = self.proc.wait()
+        self._reader.join(5)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        return code
 
 
 def config_args(config: Config) -> list[str]:
@@ -415,4 +432,5 @@ def start_subprocess(
         sel.close()
     proc.kill()
     proc.wait()
+    proc.stdout.close()
     raise RuntimeError("sidecar did not start:\n" + "".join(lines))

@@ -129,8 +129,11 @@ class FakeUpstream:
     async def __aexit__(self, *exc: object) -> None:
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
-        await self._tg.__aexit__(None, None, None)
-        await self._listener.aclose()
+        try:
+            await self._tg.__aexit__(None, None, None)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._listener.aclose()
 
     async def _handle(self, stream: anyio.abc.SocketStream) -> None:
         rec = ConnRecord(time.monotonic())
@@ -199,38 +202,54 @@ class FakeUpstream:
                     conn.receive_data(data)  # pipelined bytes for the next cycle
 
             tg.start_soon(watch)
-            for step in script:
-                op = step[0]
-                if op == "head":
-                    await stream.send(conn.send(h11.Response(status_code=step[1], headers=step[2])))
-                elif op == "send":
-                    await stream.send(conn.send(h11.Data(data=step[1])))
-                elif op == "raw":
-                    await stream.send(step[1])
-                elif op == "sleep":
-                    await anyio.sleep(step[1])
-                elif op == "end":
-                    await stream.send(conn.send(h11.EndOfMessage()))
-                elif op == "die":
-                    await stream.aclose()
-                    tg.cancel_scope.cancel()
-                    return False
-                elif op == "hang":
-                    await anyio.sleep_forever()
-                elif op == "echo":
-                    ctype = dict(req.headers).get(b"content-type", b"application/octet-stream")
-                    headers = [
-                        (b"Content-Type", ctype),
-                        (b"Content-Length", str(len(req.body)).encode()),
-                    ]
-                    await stream.send(conn.send(h11.Response(status_code=200, headers=headers)))
-                    if req.method != b"HEAD":
-                        await stream.send(conn.send(h11.Data(data=req.body)))
-                    await stream.send(conn.send(h11.EndOfMessage()))
-                else:  # pragma: no cover
-                    raise ValueError(f"unknown step {op!r}")
+            died = False
+            try:
+                died = await self._steps(script, req, stream, conn)
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
+                if rec.closed_at is None:
+                    rec.closed_at = time.monotonic()
+                    rec.closed.set()
             tg.cancel_scope.cancel()
-        return rec.closed_at is None
+        return rec.closed_at is None and not died
+
+    async def _steps(
+        self,
+        script: Script,
+        req: RequestRecord,
+        stream: anyio.abc.SocketStream,
+        conn: h11.Connection,
+    ) -> bool:
+        """Run the steps; True if the script killed the connection ("die")."""
+        for step in script:
+            op = step[0]
+            if op == "head":
+                await stream.send(conn.send(h11.Response(status_code=step[1], headers=step[2])))
+            elif op == "send":
+                await stream.send(conn.send(h11.Data(data=step[1])))
+            elif op == "raw":
+                await stream.send(step[1])
+            elif op == "sleep":
+                await anyio.sleep(step[1])
+            elif op == "end":
+                await stream.send(conn.send(h11.EndOfMessage()))
+            elif op == "die":
+                await stream.aclose()
+                return True
+            elif op == "hang":
+                await anyio.sleep_forever()
+            elif op == "echo":
+                ctype = dict(req.headers).get(b"content-type", b"application/octet-stream")
+                headers = [
+                    (b"Content-Type", ctype),
+                    (b"Content-Length", str(len(req.body)).encode()),
+                ]
+                await stream.send(conn.send(h11.Response(status_code=200, headers=headers)))
+                if req.method != b"HEAD":
+                    await stream.send(conn.send(h11.Data(data=req.body)))
+                await stream.send(conn.send(h11.EndOfMessage()))
+            else:  # pragma: no cover
+                raise ValueError(f"unknown step {op!r}")
+        return False
 
 
 class _Reader:
@@ -308,16 +327,26 @@ def encode_script(script: Script) -> str:
     return json.dumps(out)
 
 
+async def _serve_fake(
+    *, task_status: anyio.abc.TaskStatus[FakeUpstream] = anyio.TASK_STATUS_IGNORED
+) -> None:
+    async with FakeUpstream() as fake:
+        task_status.started(fake)
+        await anyio.sleep_forever()
+
+
 @contextmanager
 def fake_upstream_in_thread() -> Iterator[FakeUpstream]:
-    """A FakeUpstream served by its own event loop in a background thread."""
+    """A FakeUpstream served by its own event loop in a background thread.
+
+    Routes may be added from the calling thread before requests arrive.
+    """
     with start_blocking_portal("asyncio") as portal:
-        fake = FakeUpstream()
-        portal.call(fake.__aenter__)
+        future, fake = portal.start_task(_serve_fake)
         try:
             yield fake
         finally:
-            portal.call(fake.__aexit__, None, None, None)
+            future.cancel()
 
 
 @asynccontextmanager

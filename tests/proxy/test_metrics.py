@@ -40,7 +40,8 @@ async def test_metrics_after_scripted_scenarios(
 ) -> None:
     fake.route("/v1/chat/completions", [
         sse_head(), ("send", chunk(0)), ("send", b": preempted\n\n"), ("sleep", 1.5),
-        ("send", b": resumed\n\n"), ("send", chunk(1)), ("send", b": preempted\n\n"), ("sleep", 0.2),
+        ("send", b": resumed\n\n"), ("send", chunk(1)),
+        ("send", b": preempted\n\n"), ("sleep", 0.2),
         ("send", b": recomputed\n\n"), ("send", chunk(2)), ("end",)])  # fmt: skip
     fake.route("/completion", [sse_head(), ("send", chunk(0)), ("send", b":\n\n"),
                                ("send", chunk(1)), ("end",)])  # fmt: skip

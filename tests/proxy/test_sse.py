@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -21,12 +22,14 @@ async def timed_stream(
 ) -> tuple[int, dict[str, str], list[tuple[float, bytes]]]:
     """POST a streaming request; return status, headers and (arrival time, bytes) reads."""
     reads: list[tuple[float, bytes]] = []
-    async with httpx.AsyncClient(timeout=30) as c:
-        async with c.stream("POST", url, json={"stream": True}, **kw) as r:  # type: ignore[arg-type]
-            reads.append((time.monotonic(), b""))
-            async for data in r.aiter_raw():
-                reads.append((time.monotonic(), data))
-            return r.status_code, dict(r.headers), reads
+    async with (
+        httpx.AsyncClient(timeout=30) as c,
+        c.stream("POST", url, json={"stream": True}, **kw) as r,  # type: ignore[arg-type]
+    ):
+        reads.append((time.monotonic(), b""))
+        async for data in r.aiter_raw():
+            reads.append((time.monotonic(), data))
+        return r.status_code, dict(r.headers), reads
 
 
 def body_of(reads: list[tuple[float, bytes]]) -> bytes:
@@ -35,7 +38,7 @@ def body_of(reads: list[tuple[float, bytes]]) -> bytes:
 
 def max_gap(reads: list[tuple[float, bytes]]) -> float:
     times = [t for t, _ in reads]
-    return max(b - a for a, b in zip(times, times[1:], strict=False))
+    return max(b - a for a, b in itertools.pairwise(times))
 
 
 def without_keepalives(body: bytes) -> bytes:
@@ -44,7 +47,8 @@ def without_keepalives(body: bytes) -> bytes:
 
 async def test_notices_pass_through_unchanged(fake: FakeUpstream, sidecar: Sidecar) -> None:
     notices = [b": preempted\n\n", b": preempt-keepalive\n\n", b": resumed\n\n",
-               b": preempted 1\n\n", b": recomputed 1\n\n", b":\n\n", b": something else\r\n\r\n"]  # fmt: skip
+               b": preempted 1\n\n", b": recomputed 1\n\n", b":\n\n",
+               b": something else\r\n\r\n"]  # fmt: skip
     script = [sse_head(), ("send", chunk(0))]
     for n in notices:
         script += [("send", n), ("send", chunk(1))]
@@ -122,7 +126,8 @@ async def test_silence_after_a_stalled_event_is_bounded(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
     fake.route("/s", [sse_head(), ("send", b": preempted\n\ndata: half"), ("sleep", 1.0),
-                      ("send", b"\n\n"), ("sleep", 1.0), ("send", b": resumed\n\n"), ("end",)])  # fmt: skip
+                      ("send", b"\n\n"), ("sleep", 1.0), ("send", b": resumed\n\n"),
+                      ("end",)])  # fmt: skip
     async with sidecar_factory(fake.url, park_keepalive=0.3) as sc:
         _, _, reads = await timed_stream(sc.url + "/s")
     end = next(i for i, (_, d) in enumerate(reads) if d.endswith(b"half\n\n") or d == b"\n\n")
@@ -158,7 +163,8 @@ async def test_early_open_turns_upstream_4xx_into_error_event(
     }
     payload = json.dumps(err).encode()
     fake.route("/v1/chat/completions", [("sleep", 1.0),
-               ("head", 400, [(b"Content-Type", b"application/json"), (b"Content-Length", str(len(payload)).encode())]),
+               ("head", 400, [(b"Content-Type", b"application/json"),
+                              (b"Content-Length", str(len(payload)).encode())]),
                ("send", payload), ("end",)])  # fmt: skip
     async with sidecar_factory(fake.url, early_open_after=0.2, idle_keepalive=0.3) as sc:
         status, _, reads = await timed_stream(sc.url + "/v1/chat/completions")
