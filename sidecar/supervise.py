@@ -320,9 +320,10 @@ class Child:
             self._log.close()
             self._log = None
 
-    def next_backoff(self) -> float:
+    def next_backoff(self, now: float | None = None) -> float:
         """The delay before restarting a child that just died; grows while it keeps dying."""
-        if time.monotonic() - self.started_at >= STABLE_AFTER_S:
+        now = time.monotonic() if now is None else now
+        if now - self.started_at >= STABLE_AFTER_S:
             self.backoff = BACKOFF_START_S
         delay = self.backoff
         self.backoff = min(self.backoff * 2, BACKOFF_MAX_S)

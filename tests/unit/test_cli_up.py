@@ -60,18 +60,12 @@ def test_sidecar_url_connects_to_loopback_for_wildcards(host: str, url: str) -> 
     assert cfg(host=host).sidecar_url == url
 
 
-def test_backoff_doubles_to_the_cap_and_resets_after_a_stable_run(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    now = [1000.0]
-    monkeypatch.setattr(supervise.time, "monotonic", lambda: now[0])
+def test_backoff_doubles_to_the_cap_and_resets_after_a_stable_run() -> None:
     child = Child("x", ["true"])
-    child.started_at = now[0]
-    delays = [child.next_backoff() for _ in range(8)]
+    child.started_at = 1000.0
+    delays = [child.next_backoff(now=1000.0 + i) for i in range(8)]
     assert delays == [1, 2, 4, 8, 16, 30, 30, 30]
-    child.started_at = now[0]
-    now[0] += supervise.STABLE_AFTER_S + 1
-    assert child.next_backoff() == 1
+    assert child.next_backoff(now=1000.0 + supervise.STABLE_AFTER_S + 1) == 1
 
 
 def test_busy_ports_names_the_listener_and_the_flag() -> None:
