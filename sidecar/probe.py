@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -44,6 +45,7 @@ __all__ = [
 ]
 
 DEFAULT_PATH = "/v1/chat/completions"
+INTERRUPTED = "interrupted"
 
 
 @dataclass(frozen=True)
@@ -173,11 +175,12 @@ async def _one(
     rec.t_end = time.monotonic() - t0
 
 
-async def _run(opts: ProbeOptions, on_line: OnLine | None) -> list[StreamRecord]:
+async def _run(
+    opts: ProbeOptions, on_line: OnLine | None, records: list[StreamRecord], handle_sigint: bool
+) -> list[StreamRecord]:
     url = endpoint_url(opts.url)
     body = build_body(url, opts)
     headers = {"Authorization": f"Bearer {opts.api_key}"} if opts.api_key else None
-    records = [StreamRecord(i) for i in range(opts.streams)]
     timeout = httpx.Timeout(opts.timeout, connect=10.0)
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
     async with httpx.AsyncClient(
@@ -185,14 +188,40 @@ async def _run(opts: ProbeOptions, on_line: OnLine | None) -> list[StreamRecord]
     ) as client:
         t0 = time.monotonic()
         async with anyio.create_task_group() as tg:
-            for rec in records:
-                tg.start_soon(_one, client, url, body, rec, t0, rec.index * opts.stagger, on_line)
+            if handle_sigint:
+                tg.start_soon(_stop_on_sigint, tg.cancel_scope, records, t0)
+            async with anyio.create_task_group() as streams:
+                for rec in records:
+                    streams.start_soon(
+                        _one, client, url, body, rec, t0, rec.index * opts.stagger, on_line
+                    )
+            tg.cancel_scope.cancel()  # all streams ended: stop listening for SIGINT
     return records
 
 
-def run_probe(opts: ProbeOptions, on_line: OnLine | None = None) -> list[StreamRecord]:
-    """Run the probe to completion; `on_line(stream, t, text)` sees each line as it arrives."""
-    return anyio.run(_run, opts, on_line)
+async def _stop_on_sigint(scope: anyio.CancelScope, records: list[StreamRecord], t0: float) -> None:
+    """Ctrl-C ends the run but keeps what arrived: unfinished streams say "interrupted"."""
+    with anyio.open_signal_receiver(signal.SIGINT) as signals:
+        async for _ in signals:
+            now = time.monotonic() - t0
+            for rec in records:
+                if not rec.t_end:
+                    rec.t_end = now
+                    rec.error = rec.error or INTERRUPTED
+            scope.cancel()
+            return
+
+
+def run_probe(
+    opts: ProbeOptions, on_line: OnLine | None = None, *, handle_sigint: bool = False
+) -> list[StreamRecord]:
+    """Run the probe to completion; `on_line(stream, t, text)` sees each line as it arrives.
+
+    With `handle_sigint` (main thread only), Ctrl-C ends the run early and returns what
+    was recorded; the streams it cut have ``error == INTERRUPTED``.
+    """
+    records = [StreamRecord(i) for i in range(opts.streams)]
+    return anyio.run(_run, opts, on_line, records, handle_sigint)
 
 
 def _event_tokens(payload: Any) -> int:
@@ -289,6 +318,8 @@ def summarize(rec: StreamRecord) -> StreamSummary:
     tps = None
     if len(token_times) >= 2 and token_times[-1] > token_times[0]:
         tps = (tokens - 1) / (token_times[-1] - token_times[0])
+    if error == INTERRUPTED and done:
+        error = None  # it had finished; only the connection close was cut short
     if rec.status is not None and rec.status != 200 and error is None:
         error = f"HTTP {rec.status}: " + " ".join(text for _, text in rec.lines)[:200]
     outcome = "error" if error or rec.status != 200 else ("done" if done else "truncated")

@@ -9,7 +9,16 @@ from typing import Annotated
 
 import typer
 
-from sidecar.probe import ProbeOptions, endpoint_url, plot, run_probe, summarize, table, to_json
+from sidecar.probe import (
+    INTERRUPTED,
+    ProbeOptions,
+    endpoint_url,
+    plot,
+    run_probe,
+    summarize,
+    table,
+    to_json,
+)
 
 
 def probe(
@@ -97,7 +106,8 @@ def probe(
     live = not (quiet or as_json)
     if live:
         typer.echo(f"probe: {streams} stream(s) -> {endpoint_url(url)}")
-    records = run_probe(opts, on_line if live else None)
+    records = run_probe(opts, on_line if live else None, handle_sigint=True)
+    interrupted = any(r.error == INTERRUPTED for r in records)
     summaries = [summarize(r) for r in records]
     if as_json:
         typer.echo(json.dumps(to_json(opts, records, summaries), indent=1))
@@ -112,5 +122,7 @@ def probe(
         plot(summaries, plot_file)
         if not as_json:
             typer.echo(f"plot: {plot_file}")
+    if interrupted:
+        raise typer.Exit(130)
     if any(s.outcome != "done" for s in summaries):
         raise typer.Exit(1)
