@@ -133,6 +133,9 @@ def up(
     except (FileNotFoundError, RuntimeError, subprocess.CalledProcessError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C during the build or the model download
+        typer.echo("[up] interrupted before start", err=True)
+        raise typer.Exit(130) from None
 
     preempt = preempt_ram != 0 and server_supports(binary, "--preempt-ram")
     if preempt_ram != 0 and not preempt:
