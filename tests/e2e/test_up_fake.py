@@ -131,3 +131,13 @@ def test_a_second_up_on_the_same_ports_refuses_to_start(run_up: RunUp) -> None:
     assert "port already in use for llama-server" in str(info.value)
     assert "--server-port" in str(info.value)
     first.wait_healthy()  # the first one is unharmed
+
+
+def test_api_key_is_enforced_by_the_sidecar_and_health_stays_public(run_up: RunUp) -> None:
+    up = run_up("--api-key", "s3cret")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+    url = up.url + "/v1/chat/completions"
+    assert stream_sse(url, body, timeout=30).status == 401
+    ok = stream_sse(url, body, timeout=30, headers={"Authorization": "Bearer s3cret"})
+    assert ok.status == 200 and ok.done
+    assert "Authorization: Bearer" in up.text()  # the printed curl line carries the key header
