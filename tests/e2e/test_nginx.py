@@ -1,0 +1,67 @@
+"""Real nginx with docs/nginx.conf in front of `up` and the real patched llama-server: an
+overflowing pair of streams completes through nginx although nginx's proxy_read_timeout
+is shorter than the park (llama-server's own pings are off, so only the sidecar's
+keepalives can cover it; the park lengths come from llama-server's log).
+test_nginx_fake.py holds the control (the same park, minus the sidecar, is cut).
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.conftest import OVERFLOW_ARGS, RunUp
+from tests.e2e.nginxctl import NGINX, start_nginx
+from tests.support.llama import StreamLog, stream_sse
+
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.slow,
+    pytest.mark.nginx,
+    pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx)"),
+]
+
+READ_TIMEOUT_S = 1.0
+TOKENS = 220  # the slow model: a park lasts while the other stream makes ~90 tokens
+
+
+def server_park_lengths(log_text: str) -> list[float]:
+    """Park lengths from llama-server's log (`resumed after X s`, PREEMPTION.md §9)."""
+    return [float(x) for x in re.findall(r"resumed after ([0-9.]+) s", log_text)]
+
+
+def test_overflowing_pair_completes_through_nginx_with_a_short_read_timeout(
+    run_preempting_up: RunUp, slow_model: Path, tmp_path: Path
+) -> None:
+    env = {"LLAMA_SIDECAR_PARK_KEEPALIVE": "0.25", "LLAMA_SIDECAR_IDLE_KEEPALIVE": "0.25"}
+    up = run_preempting_up("--model", str(slow_model), *OVERFLOW_ARGS, "--ping-interval", "-1",
+                           "--", "-t", "1", env=env)  # fmt: skip
+    nginx = start_nginx(tmp_path / "nginx", up.port, read_timeout=f"{READ_TIMEOUT_S:g}s")
+    try:
+        body = {"prompt": "Once upon a time", "n_predict": TOKENS, "ignore_eos": True,
+                "stream": True, "temperature": 0}  # fmt: skip
+        logs: list[StreamLog] = []
+
+        def run() -> None:
+            logs.append(stream_sse(nginx.url + "/completion", body, timeout=600))
+
+        threads = [threading.Thread(target=run) for _ in range(2)]
+        for th in threads:
+            th.start()
+        for th in threads:
+            th.join(600)
+    finally:
+        nginx.stop()
+    assert len(logs) == 2
+    for log in logs:
+        assert log.status == 200 and log.error is None, (log.error, nginx.error_log())
+        final = log.final()
+        assert final and final.get("stop") is True, log.body()[-2000:]
+        assert final["timings"]["predicted_n"] == TOKENS
+    parks = server_park_lengths(up.server_log.read_text(errors="replace"))
+    assert parks, "no stream was parked: the pair did not overflow the pool"
+    assert max(parks) > READ_TIMEOUT_S, f"parks {parks} did not outlast proxy_read_timeout"
+    assert "upstream timed out" not in nginx.error_log()
