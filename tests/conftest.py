@@ -8,7 +8,6 @@ how the fixed-deadline test is shown to fail on the stock server.
 from __future__ import annotations
 
 import os
-import shlex
 import subprocess
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -65,17 +64,14 @@ def start_server(llama_server_bin: Path, tiny_model: Path,
     """Factory: start_server(model=..., args=[...], env={...}, binary=None) -> LlamaServer.
 
     Every server it starts is stopped at teardown; its log stays in tmp_path.
-    LLAMA_SERVER_EXTRA_ARGS is appended to every command line (e.g. "-ngl 99" to run the
-    server suite on a GPU build).
     """
     started: list[LlamaServer] = []
-    extra = shlex.split(os.environ.get("LLAMA_SERVER_EXTRA_ARGS", ""))
 
     def start(model: Path | None = None, args: Sequence[str] = (),
               env: Mapping[str, str] | None = None, binary: Path | None = None,
               timeout: float = 120.0) -> LlamaServer:
         n = len(started)
-        srv = LlamaServer(binary or llama_server_bin, model or tiny_model, [*args, *extra],
+        srv = LlamaServer(binary or llama_server_bin, model or tiny_model, list(args),
                           dict(env or {}), log_path=tmp_path / f"llama-server-{n}.log")
         started.append(srv)
         return srv.start(timeout=timeout)
