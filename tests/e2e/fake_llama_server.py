@@ -49,6 +49,8 @@ class Handler(BaseHTTPRequestHandler):
                 f"llamacpp:requests_preempted {STATE['parked']}\n"
                 "# TYPE llamacpp:preempt_recompute_total counter\n"
                 "llamacpp:preempt_recompute_total 0\n"
+                "# TYPE llamacpp:preempt_dropped_total counter\n"
+                "llamacpp:preempt_dropped_total 0\n"
                 "# TYPE llamacpp:preempt_ram_bytes gauge\n"
                 f"llamacpp:preempt_ram_bytes {STATE['parked'] * 1048576}\n"
                 "# TYPE llamacpp:n_decode_total counter\n"
