@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.conftest import OVERFLOW_ARGS, RunUp
+from tests.e2e.conftest import RunUp
 from tests.e2e.nginxctl import NGINX, start_nginx
 from tests.support.llama import StreamLog, stream_sse
 
@@ -25,7 +25,11 @@ pytestmark = [
 ]
 
 READ_TIMEOUT_S = 1.0
-TOKENS = 220  # the slow model: a park lasts while the other stream makes ~90 tokens
+# Two streams of 360 tokens in a 384-cell pool: they collide at ~190 tokens each, and the
+# parked one waits while the other makes ~170 more. With the slow model that is seconds even
+# on a fast machine, so the park outlasts the 1 s read timeout by a wide margin.
+POOL = ("--parallel", "2", "--ctx-size", "384", "--preempt-ram", "8192")
+TOKENS = 360
 
 
 def server_park_lengths(log_text: str) -> list[float]:
@@ -37,7 +41,7 @@ def test_overflowing_pair_completes_through_nginx_with_a_short_read_timeout(
     run_preempting_up: RunUp, slow_model: Path, tmp_path: Path
 ) -> None:
     env = {"LLAMA_SIDECAR_PARK_KEEPALIVE": "0.25", "LLAMA_SIDECAR_IDLE_KEEPALIVE": "0.25"}
-    up = run_preempting_up("--model", str(slow_model), *OVERFLOW_ARGS, "--ping-interval", "-1",
+    up = run_preempting_up("--model", str(slow_model), *POOL, "--ping-interval", "-1",
                            "--", "-t", "1", env=env)  # fmt: skip
     nginx = start_nginx(tmp_path / "nginx", up.port, read_timeout=f"{READ_TIMEOUT_S:g}s")
     try:
