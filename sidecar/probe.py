@@ -446,8 +446,7 @@ def plot(summaries: list[StreamSummary], path: Path, title: str = "") -> None:
         Patch(facecolor="tab:orange", alpha=0.35, label="parked"),
         Line2D([], [], marker="v", ls="", color="tab:red", label="keepalive"),
     ]
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.25 - 0.05 / n),
-              ncol=3, frameon=False)  # fmt: skip
+    ax.legend(handles=handles, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     t = totals(summaries)
     ax.set_title(
         title
