@@ -82,6 +82,14 @@ class H11Stream:
             assert isinstance(event, h11.Event)
             return event
 
+    def buffered_event(self) -> h11.Event | None:
+        """The next event if it can be parsed from bytes already read, else None (no I/O)."""
+        event = self.conn.next_event()
+        if event is h11.NEED_DATA or event is h11.PAUSED:
+            return None
+        assert isinstance(event, h11.Event)
+        return event
+
     def has_buffered_data(self) -> bool:
         """True if bytes of the next message are already buffered (pipelining)."""
         return bool(self.conn.trailing_data[0])

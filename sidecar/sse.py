@@ -100,7 +100,7 @@ class SSEScanner:
             else:
                 line = data[start:end]
             start = m.end()
-            if start == n and data[end] == 0x0D:
+            if start == n and start - end == 1 and data[end] == 0x0D:
                 # Lone \r at the end of the chunk: the line is over, a following
                 # \n (next read) is part of the same end-of-line.
                 self._skip_lf = True

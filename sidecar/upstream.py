@@ -212,20 +212,45 @@ async def _next(conn: H11Stream) -> h11.Event:
 
 
 class H11Response:
-    __slots__ = ("_conn", "_done", "_pool", "head")
+    """Body reader.  ``receive`` returns every body byte already read from the
+    socket in one piece: several upstream chunks (one SSE event each, as
+    llama-server writes them) that arrived together become one downstream
+    write instead of one write per event.  Nothing waits for more data, so
+    coalescing adds no latency."""
+
+    __slots__ = ("_conn", "_done", "_end_seen", "_pool", "head")
 
     def __init__(self, pool: H11Upstream, conn: H11Stream, head: ResponseHead) -> None:
         self._pool = pool
         self._conn = conn
         self._done = False
+        self._end_seen = False
         self.head = head
 
     async def receive(self) -> bytes:
         if self._done:
             return b""
+        if self._end_seen:
+            self._done = True
+            return b""
         event = await _next(self._conn)
         if isinstance(event, h11.Data):
-            return bytes(event.data)
+            first = bytes(event.data)
+            parts: list[bytes] | None = None
+            while True:
+                try:
+                    more = self._conn.buffered_event()
+                except h11.RemoteProtocolError:
+                    break  # raised again, mapped, by the next receive()
+                if isinstance(more, h11.Data):
+                    if parts is None:
+                        parts = [first]
+                    parts.append(bytes(more.data))
+                    continue
+                if isinstance(more, h11.EndOfMessage):
+                    self._end_seen = True
+                break
+            return first if parts is None else b"".join(parts)
         if isinstance(event, h11.EndOfMessage):
             self._done = True
             return b""

@@ -55,6 +55,12 @@ def test_crlf_split_across_reads() -> None:
     assert s.feed(b"\n: x\n") == [Comment(b" x")]
 
 
+def test_complete_crlf_at_chunk_end_does_not_swallow_next_lf() -> None:
+    s = SSEScanner()
+    assert s.feed(b"event: x\r\n\r\n") == [Field(b"event", b"x"), B]
+    assert s.feed(b"\n") == [B]  # a new (empty) line, not the tail of the \r\n
+
+
 def test_trailing_cr_is_a_line_end() -> None:
     s = SSEScanner()
     s.feed(b"data: a\n\r")

@@ -1,0 +1,304 @@
+"""Relay benchmarks: the sidecar vs nginx (proxy_buffering off) vs direct, one run.
+
+Everything runs against the same fast fake upstream (``sidecar_upstream.py``, its
+own process); each proxy is its own process so its CPU time can be read from
+/proc.  Measured:
+
+* throughput: C concurrent streams of N unthrottled events; events/s and proxy CPU
+  seconds per relayed event (ratio to nginx, one worker);
+* added latency: 200 streams x 50 events/s; each event carries its send time
+  (CLOCK_MONOTONIC ns), the client subtracts it on arrival; p50/p99 minus direct's;
+* parked streams: 2,000 streams parked for T s behind the sidecar (1 s park
+  keepalive); the worst gap any client saw and the sidecar's peak RSS.
+
+Sidecar variants: upstream client h11 or httpx, event loop uvloop or asyncio.
+
+Usage: python benchmarks/sidecar_relay.py [--quick] [--json OUT]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from sidecar.server import SidecarProcess, ephemeral_config, start_subprocess
+
+HERE = Path(__file__).resolve().parent
+TICK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / TICK
+
+
+def rss_bytes(pid: int) -> int:
+    return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def start_upstream() -> tuple[subprocess.Popen[str], int]:
+    proc = subprocess.Popen(
+        [sys.executable, str(HERE / "sidecar_upstream.py"), "0"], stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    return proc, int(line.split()[1])
+
+
+NGINX_CONF = """
+daemon off; master_process off; worker_processes 1; worker_rlimit_nofile 20000;
+error_log {tmp}/error.log error; pid {tmp}/nginx.pid;
+events {{ worker_connections 10000; }}
+http {{
+  access_log off;
+  client_body_temp_path {tmp}/b; proxy_temp_path {tmp}/p; fastcgi_temp_path {tmp}/f;
+  uwsgi_temp_path {tmp}/u; scgi_temp_path {tmp}/s;
+  upstream up {{ server 127.0.0.1:{up}; keepalive 256; }}
+  server {{
+    listen 127.0.0.1:{port} backlog=4096;
+    location / {{
+      proxy_pass http://up; proxy_http_version 1.1; proxy_set_header Connection "";
+      proxy_buffering off; proxy_read_timeout 3600s;
+    }}
+  }}
+}}
+"""
+
+
+def start_nginx(up: int, tmp: str) -> tuple[subprocess.Popen[bytes], int] | None:
+    binary = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(binary).exists():
+        return None
+    port = free_port()
+    conf = Path(tmp) / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(tmp=tmp, up=up, port=port))
+    proc = subprocess.Popen([binary, "-p", tmp, "-c", str(conf), "-e", f"{tmp}/error.log"])
+    for _ in range(200):
+        try:
+            socket.create_connection(("127.0.0.1", port), 1).close()
+            return proc, port
+        except OSError:
+            time.sleep(0.05)
+    raise RuntimeError("nginx did not start")
+
+
+# ----------------------------------------------------------------- client side
+
+TERMINATOR = b"\r\n0\r\n\r\n"
+T_RE = re.compile(rb'"t":(\d+)')
+
+
+async def stream(
+    port: int, target: str, lat: list[int] | None = None, gaps: list[float] | None = None
+) -> int:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {target} HTTP/1.1\r\nHost: bench\r\n\r\n".encode())
+    tail = b""
+    nbytes = 0
+    last = time.monotonic()
+    worst = 0.0
+    try:
+        while True:
+            data = await reader.read(65536)
+            if not data:
+                raise ConnectionError("closed before the end of the stream")
+            now = time.monotonic()
+            worst = max(worst, now - last)
+            last = now
+            nbytes += len(data)
+            buf = tail + data
+            if lat is not None:
+                now_ns = time.monotonic_ns()
+                cut = buf.rfind(b"\n\n") + 2
+                lat.extend(now_ns - int(m) for m in T_RE.findall(buf, 0, cut))
+                tail = buf[cut:]
+            else:
+                tail = buf[-16:]
+            if buf.endswith(TERMINATOR):
+                break
+    finally:
+        writer.close()
+    if gaps is not None:
+        gaps.append(worst)
+    return nbytes
+
+
+async def many(port: int, target: str, n: int, **kw: list) -> float:  # type: ignore[type-arg]
+    t0 = time.monotonic()
+    await asyncio.gather(*(stream(port, target, **kw) for _ in range(n)))
+    return time.monotonic() - t0
+
+
+@dataclass
+class Target:
+    name: str
+    port: int
+    pid: int | None
+
+
+def run(coro):  # type: ignore[no-untyped-def]
+    return asyncio.run(coro)
+
+
+def bench_throughput(t: Target, conns: int, events: int) -> dict[str, float]:
+    run(many(t.port, "/tput?n=50", conns))  # warm up pools
+    cpu0 = cpu_seconds(t.pid) if t.pid else 0.0
+    wall = run(many(t.port, f"/tput?n={events}", conns))
+    cpu = (cpu_seconds(t.pid) - cpu0) if t.pid else 0.0
+    total = conns * events
+    return {"events_per_s": total / wall, "cpu_us_per_event": cpu / total * 1e6, "wall_s": wall}
+
+
+def bench_latency(t: Target, streams: int, hz: float, secs: float) -> dict[str, float]:
+    lat: list[int] = []
+    run(many(t.port, f"/rate?n={int(hz * secs)}&hz={hz}", streams, lat=lat))
+    lat.sort()
+    q = statistics.quantiles(lat, n=100)
+    return {"p50_ms": q[49] / 1e6, "p99_ms": q[98] / 1e6, "events": len(lat)}
+
+
+def bench_park(t: Target, streams: int, secs: float) -> dict[str, float]:
+    assert t.pid is not None
+    gaps: list[float] = []
+    rss0 = rss_bytes(t.pid)
+    peak = rss0
+
+    async def sample() -> None:
+        nonlocal peak
+        while True:
+            peak = max(peak, rss_bytes(t.pid))  # type: ignore[arg-type]
+            await asyncio.sleep(0.25)
+
+    async def main() -> None:
+        s = asyncio.ensure_future(sample())
+        try:
+            await many(t.port, f"/park?secs={secs}", streams, gaps=gaps)
+        finally:
+            s.cancel()
+
+    run(main())
+    return {
+        "streams": len(gaps),
+        "worst_gap_s": max(gaps),
+        "rss_idle_mb": rss0 / 2**20,
+        "rss_peak_mb": peak / 2**20,
+    }
+
+
+def start_sidecar(up: int, client: str, uvloop: bool) -> SidecarProcess:
+    cfg = ephemeral_config(
+        f"http://127.0.0.1:{up}",
+        upstream_client=client,
+        upstream_max_idle=4096,
+        metrics_listen=None,
+    )
+    env = {"LLAMA_SIDECAR_UVLOOP": "1" if uvloop else "0", "LLAMA_SIDECAR_LOG_LEVEL": "WARNING"}
+    return start_subprocess(cfg, env=env)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--json", type=Path)
+    ap.add_argument("--skip-park", action="store_true")
+    args = ap.parse_args()
+    conns, events = (20, 500) if args.quick else (50, 2000)
+    lat_streams, lat_secs = (50, 2.0) if args.quick else (200, 5.0)
+    park_streams, park_secs = (200, 3.0) if args.quick else (2000, 8.0)
+    try:
+        import uvloop  # noqa: F401
+
+        have_uvloop = True
+    except ImportError:
+        have_uvloop = False
+
+    up_proc, up = start_upstream()
+    results: dict[str, dict[str, object]] = {}
+    procs: list[SidecarProcess] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        ngx = start_nginx(up, tmp)
+        try:
+            targets = [Target("direct", up, None)]
+            if ngx:
+                targets.append(Target("nginx", ngx[1], ngx[0].pid))
+            variants = [("h11", True), ("h11", False), ("httpx", True), ("httpx", False)]
+            for client, loop in variants:
+                if loop and not have_uvloop:
+                    continue
+                sp = start_sidecar(up, client, loop)
+                procs.append(sp)
+                name = f"sidecar[{client},{'uvloop' if loop else 'asyncio'}]"
+                targets.append(Target(name, int(sp.url.rsplit(":", 1)[1]), sp.proc.pid))
+            for t in targets:
+                r: dict[str, object] = {}
+                r["throughput"] = bench_throughput(t, conns, events)
+                r["latency"] = bench_latency(t, lat_streams, 50.0, lat_secs)
+                results[t.name] = r
+                print(t.name, json.dumps(r), flush=True)
+            if not args.skip_park:
+                default = next(t for t in targets if t.name.startswith("sidecar[h11"))
+                results[default.name]["park"] = bench_park(default, park_streams, park_secs)
+                print(default.name, "park", json.dumps(results[default.name]["park"]), flush=True)
+        finally:
+            for sp in procs:
+                sp.terminate(5)
+            if ngx:
+                ngx[0].terminate()
+                ngx[0].wait()
+            up_proc.terminate()
+            up_proc.wait()
+    report(results)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+def report(results: dict[str, dict[str, object]]) -> None:
+    ngx = results.get("nginx", {}).get("throughput")
+    direct = results["direct"]["latency"]
+    print(
+        "\n| target | events/s | CPU µs/event | CPU vs nginx | p50 ms | p99 ms"
+        " | added p50 | added p99 |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, r in results.items():
+        tp, lt = r["throughput"], r["latency"]
+        assert isinstance(tp, dict) and isinstance(lt, dict) and isinstance(direct, dict)
+        ratio = (
+            f"{tp['cpu_us_per_event'] / ngx['cpu_us_per_event']:.2f}x"  # type: ignore[index]
+            if ngx and name not in ("direct",)
+            else "-"
+        )
+        cpu = f"{tp['cpu_us_per_event']:.2f}" if name != "direct" else "-"
+        print(
+            f"| {name} | {tp['events_per_s']:.0f} | {cpu} | {ratio} | {lt['p50_ms']:.3f} | "
+            f"{lt['p99_ms']:.3f} | {lt['p50_ms'] - direct['p50_ms']:+.3f} | "
+            f"{lt['p99_ms'] - direct['p99_ms']:+.3f} |"
+        )
+    for name, r in results.items():
+        if "park" in r:
+            print(f"\npark ({name}):", json.dumps(r["park"]))
+
+
+if __name__ == "__main__":
+    main()
