@@ -43,7 +43,7 @@ MAX_PIPELINED = 64 * 1024
 
 
 class H11Stream:
-    __slots__ = ("bytes_in_cycle", "conn", "eof", "stream")
+    __slots__ = ("_max_incomplete", "bytes_in_cycle", "conn", "eof", "stream")
 
     def __init__(
         self,
@@ -53,6 +53,7 @@ class H11Stream:
         max_incomplete_event_size: int = 16 * 1024,
     ) -> None:
         self.stream = stream
+        self._max_incomplete = max_incomplete_event_size
         self.conn = h11.Connection(role, max_incomplete_event_size=max_incomplete_event_size)
         self.eof = False
         self.bytes_in_cycle = 0
@@ -89,6 +90,28 @@ class H11Stream:
             return None
         assert isinstance(event, h11.Event)
         return event
+
+    def take_over_body(self) -> bytes:
+        """Hand the rest of the current message body to the caller as raw bytes.
+
+        Returns what h11 has buffered past the head; the caller then reads with
+        :meth:`receive_raw` and decodes the framing itself (see
+        :mod:`sidecar.chunked`).  h11 is no longer fed for this cycle;
+        :meth:`reset` gives a fresh state machine for the next one.
+        """
+        data, _closed = self.conn.trailing_data
+        return bytes(data)
+
+    async def receive_raw(self) -> bytes:
+        """Read bytes from the socket (``b""`` at EOF), bypassing h11."""
+        return await self._receive()
+
+    def reset(self) -> None:
+        """Start over with a fresh h11 state machine (after :meth:`take_over_body`)."""
+        self.conn = h11.Connection(
+            self.conn.our_role, max_incomplete_event_size=self._max_incomplete
+        )
+        self.bytes_in_cycle = 0
 
     def has_buffered_data(self) -> bool:
         """True if bytes of the next message are already buffered (pipelining)."""

@@ -38,6 +38,7 @@ import httpx
 from anyio.abc import SocketAttribute
 
 from sidecar.adapter import H11Stream
+from sidecar.chunked import ChunkedDecoder, ChunkedError
 from sidecar.config import Config
 from sidecar.errors import (
     PEER_GONE,
@@ -46,7 +47,7 @@ from sidecar.errors import (
     UpstreamProtocolError,
     UpstreamTimeout,
 )
-from sidecar.headers import Headers
+from sidecar.headers import Headers, connection_tokens, get_header
 
 __all__ = [
     "H11Upstream",
@@ -140,10 +141,13 @@ class H11Upstream:
             await conn.aclose()
         return await self._connect(), False
 
-    def _checkin(self, conn: H11Stream) -> bool:
-        if self._closed or len(self._idle) >= self.max_idle or not conn.reusable:
+    def _checkin(self, conn: H11Stream, *, fresh: bool = False) -> bool:
+        if self._closed or len(self._idle) >= self.max_idle:
             return False
-        conn.start_next_cycle()
+        if not fresh:
+            if not conn.reusable:
+                return False
+            conn.start_next_cycle()
         self._idle.append(conn)
         return True
 
@@ -171,7 +175,7 @@ class H11Upstream:
                     raise UpstreamDisconnected("upstream closed while sending request") from exc
                 except OSError as exc:
                     raise UpstreamDisconnected(f"upstream write failed: {exc}") from exc
-                head = await _read_head(conn)
+                head, chunked = await _read_head(conn, method)
             except UpstreamDisconnected:
                 await conn.aclose()
                 # A pooled connection the server closed just now: retry once on a
@@ -182,7 +186,7 @@ class H11Upstream:
             except BaseException:
                 await conn.aclose()
                 raise
-            return H11Response(self, conn, head)
+            return H11Response(self, conn, head, chunked)
         raise AssertionError("unreachable")  # pragma: no cover
 
     async def aclose(self) -> None:
@@ -192,11 +196,20 @@ class H11Upstream:
             await conn.aclose()
 
 
-async def _read_head(conn: H11Stream) -> ResponseHead:
+async def _read_head(conn: H11Stream, method: bytes) -> tuple[ResponseHead, bool]:
+    """The response head, and whether its body is chunked and decoded by us."""
     while True:
         event = await _next(conn)
         if isinstance(event, h11.Response):
-            return ResponseHead(event.status_code, event.reason, list(event.headers.raw_items()))
+            head = ResponseHead(event.status_code, event.reason, list(event.headers.raw_items()))
+            chunked = (
+                method != b"HEAD"
+                and event.status_code not in (204, 304)
+                and event.http_version == b"1.1"
+                and get_header(head.headers, b"transfer-encoding") is not None
+                and b"close" not in connection_tokens(head.headers)
+            )
+            return head, chunked
         if isinstance(event, h11.InformationalResponse):
             continue  # 1xx from upstream: the sidecar answers Expect itself
         raise UpstreamProtocolError(f"unexpected {type(event).__name__} before response")
@@ -218,18 +231,44 @@ class H11Response:
     write instead of one write per event.  Nothing waits for more data, so
     coalescing adds no latency."""
 
-    __slots__ = ("_conn", "_done", "_end_seen", "_pool", "head")
+    __slots__ = ("_conn", "_decoder", "_done", "_end_seen", "_pending", "_pool", "head")
 
-    def __init__(self, pool: H11Upstream, conn: H11Stream, head: ResponseHead) -> None:
+    def __init__(
+        self, pool: H11Upstream, conn: H11Stream, head: ResponseHead, chunked: bool = False
+    ) -> None:
         self._pool = pool
         self._conn = conn
         self._done = False
         self._end_seen = False
         self.head = head
+        # Chunked keep-alive bodies (llama-server's streams) are decoded by the
+        # fast ChunkedDecoder; everything else goes through h11.
+        self._decoder = ChunkedDecoder() if chunked else None
+        self._pending = conn.take_over_body() if chunked else b""
+
+    async def _receive_chunked(self, decoder: ChunkedDecoder) -> bytes:
+        while True:
+            if decoder.done:
+                self._done = True
+                return b""
+            if self._pending:
+                data, self._pending = self._pending, b""
+            else:
+                data = await self._conn.receive_raw()
+                if not data:
+                    raise UpstreamDisconnected("upstream closed the connection mid-response")
+            try:
+                out = decoder.feed(data)
+            except ChunkedError as exc:
+                raise UpstreamProtocolError(f"bad chunked body from upstream: {exc}") from exc
+            if out:
+                return out
 
     async def receive(self) -> bytes:
         if self._done:
             return b""
+        if self._decoder is not None:
+            return await self._receive_chunked(self._decoder)
         if self._end_seen:
             self._done = True
             return b""
@@ -259,6 +298,13 @@ class H11Response:
         raise UpstreamProtocolError(f"unexpected {type(event).__name__} in response body")
 
     async def aclose(self) -> None:
+        if self._decoder is not None:
+            if self._done and not self._decoder.leftover:
+                self._conn.reset()
+                if self._pool._checkin(self._conn, fresh=True):
+                    return
+            await self._conn.aclose()
+            return
         if not (self._done and self._pool._checkin(self._conn)):
             await self._conn.aclose()
 

@@ -1,0 +1,105 @@
+"""Incremental decoder for HTTP/1.1 chunked bodies (sans-I/O).
+
+Theory of operation
+-------------------
+RFC 9112 section 7.1: ``chunk = chunk-size [ chunk-ext ] CRLF chunk-data CRLF``,
+ended by ``last-chunk [ trailer-section ] CRLF``.  h11 decodes this too, but it
+returns one event per chunk, and llama-server writes one chunk per token, so a
+64 KiB read of a fast stream means hundreds of Python-level events.  This
+decoder returns *all* the data in a read as one ``bytes`` with a handful of
+C-level ``find``/slice operations per chunk.  The upstream client uses it for
+response bodies only, after h11 has parsed the head; h11 still handles every
+request and response head and every other framing.
+
+Chunk extensions are ignored (RFC 9112 section 7.1.1 allows that); trailer
+fields are read and dropped (the sidecar does not relay trailers).  A bare LF
+is accepted as a line end, like h11 does.  Malformed framing raises
+:class:`ChunkedError`.
+"""
+
+from __future__ import annotations
+
+__all__ = ["ChunkedDecoder", "ChunkedError"]
+
+MAX_LINE = 4096  # chunk-size line or trailer line
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+class ChunkedError(ValueError):
+    pass
+
+
+class ChunkedDecoder:
+    __slots__ = ("_buf", "_remaining", "_state", "done")
+
+    # states: "size" (expecting a size line), "data" (_remaining bytes of data),
+    # "crlf" (the CRLF after chunk data), "trailer" (trailer lines until empty)
+    def __init__(self) -> None:
+        self._buf = b""
+        self._state = "size"
+        self._remaining = 0
+        self.done = False
+
+    @property
+    def leftover(self) -> bytes:
+        """Bytes received after the end of the body (must be empty for reuse)."""
+        return self._buf if self.done else b""
+
+    def feed(self, data: bytes) -> bytes:
+        """Decode ``data``; returns the body bytes it completes (maybe ``b""``)."""
+        if self.done:
+            self._buf += data
+            return b""
+        buf = self._buf + data if self._buf else data
+        out: list[bytes] = []
+        pos = 0
+        n = len(buf)
+        state = self._state
+        remaining = self._remaining
+        while pos < n:
+            if state == "data":
+                take = min(remaining, n - pos)
+                out.append(buf[pos : pos + take])
+                pos += take
+                remaining -= take
+                if remaining == 0:
+                    state = "crlf"
+                continue
+            if state == "crlf":
+                if buf[pos] == 0x0A:  # bare LF
+                    pos += 1
+                    state = "size"
+                    continue
+                if n - pos < 2:
+                    break
+                if buf[pos : pos + 2] != b"\r\n":
+                    raise ChunkedError("missing CRLF after chunk data")
+                pos += 2
+                state = "size"
+                continue
+            # "size" or "trailer": both need a complete line
+            eol = buf.find(b"\n", pos)
+            if eol < 0:
+                if n - pos > MAX_LINE:
+                    raise ChunkedError("chunk-size or trailer line too long")
+                break
+            line = buf[pos:eol]
+            pos = eol + 1
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if state == "trailer":
+                if not line:
+                    self.done = True
+                    break
+                continue
+            size = line.split(b";", 1)[0].strip(b" \t")
+            if not size or len(size) > 16 or not _HEX.issuperset(size):
+                raise ChunkedError(f"bad chunk size line {line[:40]!r}")
+            remaining = int(size, 16)
+            state = "data" if remaining else "trailer"
+        self._buf = buf[pos:]
+        self._state = state
+        self._remaining = remaining
+        if len(out) == 1:
+            return out[0]
+        return b"".join(out)
