@@ -286,7 +286,7 @@ def report(results: dict[str, dict[str, object]]) -> None:
         assert isinstance(tp, dict) and isinstance(lt, dict) and isinstance(direct, dict)
         ratio = (
             f"{tp['cpu_us_per_event'] / ngx['cpu_us_per_event']:.2f}x"  # type: ignore[index]
-            if ngx and name not in ("direct",)
+            if ngx and ngx["cpu_us_per_event"] and name != "direct"
             else "-"
         )
         cpu = f"{tp['cpu_us_per_event']:.2f}" if name != "direct" else "-"
