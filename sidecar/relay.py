@@ -85,7 +85,7 @@ from sidecar.headers import (
 from sidecar.keepalive import KeepalivePolicy, Reason
 from sidecar.metrics import Metrics, route_label, status_class
 from sidecar.notices import NoticeKind, ParkEnded, ParkStarted, ParkTracker, classify
-from sidecar.sse import Comment, SSEScanner
+from sidecar.sse import SSEScanner
 from sidecar.upstream import ResponseHead, UpstreamClient, UpstreamResponse
 
 __all__ = ["AccessRecord", "Context", "Exchange", "answer_error", "client_side"]
@@ -447,9 +447,8 @@ class Exchange:
             self.rec.bytes_out += len(data)
             async with self.lock:
                 if scanner is not None:
-                    for line in scanner.feed(data):
-                        if type(line) is Comment:
-                            self._on_comment(line.text)
+                    for text in scanner.feed_comments(data):
+                        self._on_comment(text)
                 with client_side(client):
                     await client.send_data(data)
                 if policy is not None:

@@ -109,6 +109,34 @@ class SSEScanner:
             self._partial += data[start:]
         return out
 
+    def feed_comments(self, data: bytes) -> list[bytes]:
+        """Like :meth:`feed` but returns only the comment texts: the relay's fast path.
+
+        When the chunk holds no ``\r`` (llama-server writes ``\n`` only) the
+        lines are split in C and only comment lines become objects; otherwise
+        this falls back to :meth:`feed`.  The scanner state afterwards is the
+        same either way (property-tested).
+        """
+        if self._skip_lf or b"\r" in data:
+            return [line.text for line in self.feed(data) if type(line) is Comment]
+        if not data:
+            return []
+        if self._partial:
+            data = self._partial + data
+        lines = data.split(b"\n")
+        self._partial = lines.pop()
+        if not lines:
+            return []
+        # The last blank or field line decides whether an event is pending.
+        for line in reversed(lines):
+            if not line:
+                self._pending_fields = False
+                break
+            if line[0] != 0x3A:
+                self._pending_fields = True
+                break
+        return [line[1:] for line in lines if line[:1] == b":"]
+
     def _line(self, line: bytes) -> Line:
         if not line:
             self._pending_fields = False

@@ -111,6 +111,23 @@ def test_byte_by_byte(data: bytes) -> None:
     assert scan([data[i : i + 1] for i in range(len(data))]) == scan([data])
 
 
+@settings(max_examples=300, deadline=None)
+@given(splits(), st.lists(st.booleans(), max_size=12))
+def test_feed_comments_matches_feed(case: tuple[bytes, list[bytes]], fast: list[bool]) -> None:
+    """The fast path gives the same comments and boundary state, even when mixed."""
+    _, chunks = case
+    ref, s = SSEScanner(), SSEScanner()
+    for i, c in enumerate(chunks):
+        expected = [x.text for x in ref.feed(c) if isinstance(x, Comment)]
+        if i < len(fast) and not fast[i]:
+            got = [x.text for x in s.feed(c) if isinstance(x, Comment)]
+        else:
+            got = s.feed_comments(c)
+        assert got == expected
+        assert s.at_boundary == ref.at_boundary
+        assert s.in_event == ref.in_event
+
+
 @settings(max_examples=200, deadline=None)
 @given(splits())
 def test_boundary_matches_prefix_rescan(case: tuple[bytes, list[bytes]]) -> None:
