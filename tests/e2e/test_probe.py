@@ -1,0 +1,64 @@
+"""`llama-sidecar probe` through `up` on an overflowing pair: the parks it reports are the
+parks llama-server counted, and --plot draws them."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.e2e.conftest import OVERFLOW_ARGS, RunUp
+from tests.support.llama import parse_metrics
+
+pytestmark = [pytest.mark.server, pytest.mark.slow]
+
+
+def server_counters(url: str) -> tuple[float, float]:
+    m = parse_metrics(httpx.get(url + "/metrics", timeout=30).text)
+    return m["n_preempt_total"], m["n_resume_total"]
+
+
+def test_probe_reports_the_parks_the_server_reports(run_preempting_up: RunUp,
+                                                    tmp_path: Path) -> None:  # fmt: skip
+    up = run_preempting_up("--tiny", *OVERFLOW_ARGS, "--", "-t", "1")
+    parks0, resumes0 = server_counters(up.server_url)
+    png = tmp_path / "probe.png"
+    cmd = [sys.executable, "-c", "from sidecar.cli import main; main()", "probe", up.url,
+           "--streams", "2", "--max-tokens", "160", "--json", "--plot", str(png)]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(r.stdout)
+    parks1, resumes1 = server_counters(up.server_url)
+
+    totals = doc["totals"]
+    assert totals["done"] == 2
+    assert all(s["tokens"] == 160 for s in doc["streams"]), [s["tokens"] for s in doc["streams"]]
+    assert parks1 - parks0 >= 1, "the pair did not overflow the pool: nothing was parked"
+    assert totals["parks"] >= 1, (
+        f"llama-server parked {parks1 - parks0:g} time(s) but no stream carried a "
+        "': preempted' notice: the stream-notices patch (issue 5) is not in this build"
+    )
+    assert totals["parks"] == parks1 - parks0
+    assert totals["resumes"] == resumes1 - resumes0
+    # The sidecar counted the same parks.
+    sidecar = parse_metrics(httpx.get(up.metrics_url, timeout=30).text, prefix="llama_sidecar_")
+    assert sidecar["parks_total"] == totals["parks"]
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_probe_prints_a_timeline_and_a_table(run_preempting_up: RunUp) -> None:
+    up = run_preempting_up("--tiny", *OVERFLOW_ARGS, "--", "-t", "1")
+    cmd = [sys.executable, "-c", "from sidecar.cli import main; main()", "probe", up.url,
+           "-n", "2", "-t", "160"]  # fmt: skip
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = r.stdout.splitlines()
+    assert any(": preempted" in ln and "#" in ln for ln in lines), (
+        "no ': preempted' line (is the stream-notices patch, issue 5, in this build?)\n"
+        + r.stdout[-3000:]
+    )
+    assert any(ln.startswith("total") and "2/2 done" in ln for ln in lines)
