@@ -69,6 +69,9 @@ def test_dashboard_queries_against_a_live_overloaded_pair(
         assert float(parks[0]["value"][1]) >= 1
         resumes = prom.wait_for("max_over_time(llamacpp:n_resume_total[5m])")
         assert float(resumes[0]["value"][1]) >= 1
+        # The sidecar saw the same parks on the streams (': preempted' notices, patch 0003).
+        sidecar_parks = prom.wait_for("max_over_time(llama_sidecar_parks_total[5m])")
+        assert float(sidecar_parks[0]["value"][1]) == float(parks[0]["value"][1])
         ram = prom.wait_for("max_over_time(llamacpp:preempt_ram_bytes[5m])")
         assert float(ram[0]["value"][1]) > 0, "no scrape saw parked RAM"
 
