@@ -107,6 +107,9 @@ def up(
             envvar="LLAMA_SERVER_BIN", help="Use this llama-server binary instead of building."
         ),
     ] = None,
+    cuda: Annotated[
+        bool, typer.Option(help="Build llama-server with the CUDA backend (then pass -- -ngl 99).")
+    ] = False,
     server_log: Annotated[
         Path | None,
         typer.Option(
@@ -123,7 +126,7 @@ def up(
     prints the URLs, restarts llama-server if it dies, and stops both on Ctrl-C or SIGTERM.
     """
     try:
-        binary = server_bin or build_binary()
+        binary = server_bin or build_binary(cuda=cuda)
         if not binary.is_file():
             raise FileNotFoundError(f"no llama-server binary at {binary}")
         model_path = resolve_model(model, tiny=tiny)

@@ -13,7 +13,15 @@ COMMANDS = {
     "build": ["--stock", "--cuda"],
     "model": ["--tiny"],
     "proxy": ["--upstream", "--listen", "--metrics-listen", "--park-keepalive"],
-    "up": ["--model", "--tiny", "--parallel", "--preempt-ram", "--server-bin", "LLAMA_SERVER_ARGS"],
+    "up": [
+        "--model",
+        "--tiny",
+        "--parallel",
+        "--preempt-ram",
+        "--server-bin",
+        "--cuda",
+        "LLAMA_SERVER_ARGS",
+    ],
     "probe": ["--streams", "--prompt", "--max-tokens", "--json", "--plot"],
 }
 
