@@ -3,8 +3,9 @@
 
     python benchmarks/keepalive_probe.py [--tokens N] [--stagger S] [--timeline] [--json FILE]
 
-Two streaming /completion requests on the slow test model, sized so that they overflow a
-256-cell pool together and the second one is parked. The same probe runs against:
+Two streaming /completion requests on the slow test model, sized so that they overflow the
+pool together (2 x 420 tokens in 512 cells) and the second one is parked for seconds. The same
+probe runs against:
 
 * stock:            the unpatched build; the overflow fails both streams (no park at all);
 * without notices:  patches 0001-0002 (LLAMA_SERVER_NO_NOTICES_BIN, or built from a series
@@ -35,7 +36,7 @@ from sidecar.probe import ProbeOptions, run_probe, summarize  # noqa: E402
 from sidecar.tinymodel import ensure_model  # noqa: E402
 from tests.support.llama import LlamaServer  # noqa: E402
 
-ARGS = ["--kv-unified", "-c", "256", "-np", "2", "-t", "1", "-tb", "1", "--no-warmup"]
+ARGS = ["--kv-unified", "-np", "2", "-t", "1", "-tb", "1", "--no-warmup"]
 
 
 def cache_dir() -> Path:
@@ -75,12 +76,14 @@ def without_notices_binary() -> Path | None:
         return Path(out.strip().splitlines()[-1])
 
 
-def probe(binary: Path, model: Path, label: str, opts: dict[str, Any], timeline: bool) -> Any:
+def probe(
+    binary: Path, model: Path, label: str, ctx: int, opts: dict[str, Any], timeline: bool
+) -> Any:
     with tempfile.TemporaryDirectory(prefix="probe-") as tmp:
         srv = LlamaServer(
             binary,
             model,
-            [*ARGS, *(["--preempt-ram", "8192"] if label != "stock" else [])],
+            [*ARGS, "-c", str(ctx), *(["--preempt-ram", "8192"] if label != "stock" else [])],
             {},
             log_path=Path(tmp) / "server.log",
         ).start()
@@ -102,8 +105,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    ap.add_argument("--tokens", type=int, default=160)
-    ap.add_argument("--stagger", type=float, default=1.0)
+    ap.add_argument("--ctx", type=int, default=512, help="the KV pool, in cells (default 512)")
+    ap.add_argument("--tokens", type=int, default=420, help="tokens per stream (default 420)")
+    ap.add_argument("--stagger", type=float, default=0.5)
     ap.add_argument("--timeline", action="store_true", help="print every line")
     ap.add_argument("--json", type=Path)
     a = ap.parse_args()
@@ -123,7 +127,7 @@ def main() -> int:
 
     results: dict[str, Any] = {}
     for label, binary in servers:
-        summaries = probe(binary, model, label, opts, a.timeline)
+        summaries = probe(binary, model, label, a.ctx, opts, a.timeline)
         results[label] = [asdict(s) for s in summaries]
         for s in summaries:
             print(
