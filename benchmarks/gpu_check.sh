@@ -14,6 +14,9 @@ tarball=${1:?usage: gpu_check.sh SRC_TARBALL OUT_DIR}
 out=${2:?usage: gpu_check.sh SRC_TARBALL OUT_DIR}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1 LLAMA_SIDECAR_CACHE=${LLAMA_SIDECAR_CACHE:-/tmp/llama-sidecar-cache}
+# Everything ends by BUDGET_S seconds after the start, the build's time included.
+deadline=$(( $(date +%s) + ${BUDGET_S:-540} ))
+left() { echo $(( deadline - $(date +%s) - ${1:-0} )); }
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$out/gpu.txt" 2>&1
 src=/tmp/llama-src
@@ -25,13 +28,13 @@ bin=$(CUDA_ARCH=${CUDA_ARCH:-90} JOBS=${JOBS:-$(nproc)} \
       ./build_llama.sh --cuda --src "$src" 2> "$out/build.log") || { tail -40 "$out/build.log"; exit 1; }
 echo "cuda build: $(( $(date +%s) - t0 )) s -> $bin" | tee -a "$out/gpu.txt"
 
-# The preemption suite on the GPU build (the stock comparisons need a stock build: skipped here).
+# The preemption and notice suites on the GPU build (the stock comparisons need a stock build: skipped here).
 LLAMA_SERVER_BIN=$bin LLAMA_SERVER_EXTRA_ARGS="-ngl 99" \
-    timeout "${TEST_TIMEOUT:-300}" python3 -m pytest -p no:cacheprovider -o addopts="" -q -x \
-    -m "not stock" ${PYTEST_K:+-k "$PYTEST_K"} tests/server/test_preempt_kv.py 2>&1 | tee "$out/pytest.log" | tail -15
+    timeout "$(left 100)" python3 -m pytest -p no:cacheprovider -o addopts="" -q -rA \
+    -m "not stock" ${PYTEST_K:+-k "$PYTEST_K"} tests/server/test_preempt_*.py 2>&1 | tee "$out/pytest.log" | tail -15
 
 # Park/restore throughput with the KV cache in GPU memory.
 if [ -f benchmarks/preempt_bench.py ]; then
-    LLAMA_SERVER_BIN=$bin LLAMA_SERVER_EXTRA_ARGS="-ngl 99" timeout 120 \
+    LLAMA_SERVER_BIN=$bin LLAMA_SERVER_EXTRA_ARGS="-ngl 99" timeout "$(left 5)" \
         python3 benchmarks/preempt_bench.py --only swap --json "$out/swap.json" 2>&1 | tee "$out/swap.log" | tail -15
 fi
