@@ -14,6 +14,11 @@ an event boundary (see :class:`sidecar.sse.SSEScanner.at_boundary`): inside an
 event a comment plus blank line would dispatch a half-built event.  When the
 deadline passes inside an event the policy waits for the boundary.
 
+``lead`` (a fraction of the interval, 0 by default; the relay uses 0.1) makes
+the comment due that much *before* the interval is up, so event-loop lag under
+load (thousands of parked streams whose deadlines coincide) is absorbed and
+the client still never waits longer than the interval.
+
 The relay calls :meth:`KeepalivePolicy.wrote` after each downstream write and
 :meth:`KeepalivePolicy.due` from its ticker; :meth:`deadline` tells the ticker
 when to look again.
@@ -47,11 +52,15 @@ KEEPALIVE_EARLY = Keepalive(Reason.EARLY_OPEN, b": keepalive\n\n")
 class KeepalivePolicy:
     __slots__ = ("idle_interval", "last_write", "longest_silence", "park_interval")
 
-    def __init__(self, park_interval: float, idle_interval: float, now: float) -> None:
+    def __init__(
+        self, park_interval: float, idle_interval: float, now: float, *, lead: float = 0.0
+    ) -> None:
         if park_interval <= 0 or idle_interval <= 0:
             raise ValueError("keepalive intervals must be positive")
-        self.park_interval = park_interval
-        self.idle_interval = idle_interval
+        if not 0.0 <= lead < 1.0:
+            raise ValueError("lead must be a fraction in [0, 1)")
+        self.park_interval = park_interval * (1.0 - lead)
+        self.idle_interval = idle_interval * (1.0 - lead)
         self.last_write = now
         self.longest_silence = 0.0
 

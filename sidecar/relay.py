@@ -97,6 +97,9 @@ log = logging.getLogger("sidecar")
 PUBLIC_ROUTES = frozenset({b"/health", b"/v1/health"})
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 MAX_ERROR_BODY = 64 * 1024
+# Keepalives are written at 90% of the interval: slack for event-loop lag.
+KEEPALIVE_LEAD = 0.1
+BOUNDARY_POLL = 0.01
 
 _CLIENT_MAP = {
     h11.RemoteProtocolError: ClientError,
@@ -210,7 +213,8 @@ class Exchange:
         self.rec = AccessRecord(
             request.method.decode("latin-1"), request.target.decode("latin-1", "replace")
         )
-        self.lock = anyio.Lock()
+        # fast_acquire: no extra event-loop round trip per write when uncontended.
+        self.lock = anyio.Lock(fast_acquire=True)
         self.phase = "request"
         self.started = False  # response head sent downstream
         self.finished = False  # end of message sent downstream
@@ -225,8 +229,6 @@ class Exchange:
         self.policy: KeepalivePolicy | None = None
         self.body_done: anyio.Event = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
-        self._wake: anyio.Event = anyio.Event()
-        self._ticker_waiting = False
         self._error: SidecarError | None = None
         self._stream_tail = b""
 
@@ -423,7 +425,10 @@ class Exchange:
     def _start_stream(self) -> None:
         self.sse = True
         self.policy = KeepalivePolicy(
-            self.config.park_keepalive, self.config.idle_keepalive, self.clock()
+            self.config.park_keepalive,
+            self.config.idle_keepalive,
+            self.clock(),
+            lead=KEEPALIVE_LEAD,
         )
         self.metrics.streams_active.inc()
         assert self._tg is not None
@@ -453,8 +458,6 @@ class Exchange:
                     await client.send_data(data)
                 if policy is not None:
                     policy.wrote(clock())
-                    if self._ticker_waiting and scanner is not None and scanner.at_boundary:
-                        self._wake.set()
         async with self.lock:
             with client_side(client):
                 await client.send(h11.EndOfMessage())
@@ -480,7 +483,6 @@ class Exchange:
             else:
                 m.streams_parked.dec()
                 self.phase = "streaming"
-            self._wake.set()  # the keepalive interval changed
 
     def _park_ended(self, change: ParkEnded) -> None:
         (self.metrics.recomputes if change.recomputed else self.metrics.resumes).inc()
@@ -521,15 +523,17 @@ class Exchange:
                         policy.wrote(now)
                         self.rec.keepalives += 1
                         self.metrics.keepalives.labels(ka.reason.value).inc()
-                    deadline = policy.deadline(parked)
-                    waiting_boundary = deadline <= now and not at_boundary
-                    self._ticker_waiting = waiting_boundary
-                    self._wake = wake = anyio.Event()
-                if waiting_boundary:
-                    await wake.wait()
-                else:
-                    with anyio.move_on_after(deadline - now):
-                        await wake.wait()
+                    delay = policy.deadline(parked) - now
+                if delay <= 0:
+                    # Due but inside an event: look again shortly.
+                    delay = BOUNDARY_POLL
+                elif not parked:
+                    # A park may start at any moment and shorten the interval; its
+                    # notice is a write, so checking every park interval suffices.
+                    delay = min(delay, policy.park_interval)
+                # Plain timed sleeps: far cheaper than a cancel scope per wake-up
+                # when thousands of parked streams tick every second.
+                await anyio.sleep(delay)
         except IO_ERRORS:
             self.client_gone = True
             self._tg.cancel_scope.cancel()

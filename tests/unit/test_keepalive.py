@@ -77,6 +77,17 @@ def test_longest_silence() -> None:
     assert p.silence(clock()) == pytest.approx(5.1)
 
 
+def test_lead_makes_it_due_early() -> None:
+    clock = FakeClock()
+    p = KeepalivePolicy(1.0, 10.0, clock(), lead=0.1)
+    assert p.deadline(parked=True) == pytest.approx(100.9)
+    assert p.deadline(parked=False) == pytest.approx(109.0)
+    clock.t += 0.9
+    assert p.due(clock(), parked=True, at_boundary=True) is KEEPALIVE_PARK
+
+
 def test_rejects_bad_intervals() -> None:
     with pytest.raises(ValueError):
         KeepalivePolicy(0, 10, 0.0)
+    with pytest.raises(ValueError):
+        KeepalivePolicy(1, 10, 0.0, lead=1.0)
