@@ -11,7 +11,7 @@ here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 dir=${1:?usage: regen.sh DIR}
 git -C "$dir" rev-parse -q --verify pristine >/dev/null || { echo "regen: $dir has no 'pristine' tag" >&2; exit 1; }
 rm -f "$here"/[0-9][0-9][0-9][0-9]-*.patch
-git -C "$dir" format-patch -q --no-signature --zero-commit --no-stat --full-index --filename-max-length=72 \
+git -C "$dir" format-patch -q --no-signature --no-numbered --zero-commit --no-stat --full-index --filename-max-length=72 \
     -o "$here" pristine..HEAD
 {
     echo "# Applied in order by build_llama.sh (patch -p1). One purpose per patch."
