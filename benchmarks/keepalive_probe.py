@@ -32,6 +32,7 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from sidecar.paths import cache_dir  # noqa: E402
 from sidecar.probe import ProbeOptions, run_probe, summarize  # noqa: E402
 from sidecar.tinymodel import ensure_model  # noqa: E402
 from tests.support.llama import LlamaServer  # noqa: E402
@@ -39,11 +40,6 @@ from tests.support.llama import LlamaServer  # noqa: E402
 ARGS = ["--kv-unified", "-np", "2", "-t", "1", "-tb", "1", "--no-warmup"]
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("LLAMA_SIDECAR_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llama-sidecar"
-    )
-    return Path(base)
 
 
 def build(*flags: str) -> Path:

@@ -33,8 +33,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from sidecar.paths import cache_dir  # noqa: E402
 from sidecar.tinymodel import ensure_model  # noqa: E402
 from tests.server.preempt_helpers import (  # noqa: E402
+    BASE,
     CONTEXT_ERROR,
     complete,
     complete_many,
@@ -44,15 +46,6 @@ from tests.server.preempt_helpers import (  # noqa: E402
     token_prompt,
 )
 from tests.support.llama import LlamaServer  # noqa: E402
-
-BASE = ["--kv-unified", "--metrics", "--slots", "-t", "1", "-tb", "1", "--no-warmup"]
-
-
-def cache_dir() -> Path:
-    base = os.environ.get("LLAMA_SIDECAR_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llama-sidecar"
-    )
-    return Path(base)
 
 
 def binary(stock: bool) -> Path:

@@ -14,16 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from sidecar.paths import cache_dir
 from sidecar.tinymodel import ensure_model
 from tests.support.llama import LlamaServer
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def cache_dir() -> Path:
-    base = os.environ.get("LLAMA_SIDECAR_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "llama-sidecar")
-    return Path(base)
 
 
 def _build(*flags: str) -> Path:

@@ -23,6 +23,10 @@ from tests.support.llama import parse_metrics, split_lines
 
 CONTEXT_ERROR = "Context size has been exceeded."
 
+# server flags shared by the preemption tests: unified KV, metrics and /slots, one thread
+BASE = ["--kv-unified", "--metrics", "--slots", "-t", "1", "-tb", "1", "--no-warmup"]
+PARK = ["--preempt-ram", "8192"]
+
 # log lines with stable prefixes (PREEMPTION.md section 9)
 PARK_LINE = "preempted: "
 RESUME_LINE = "resumed after "

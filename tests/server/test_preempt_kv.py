@@ -18,9 +18,11 @@ import pytest
 
 from tests.conftest import StartServer
 from tests.server.preempt_helpers import (
+    BASE,
     CONTEXT_ERROR,
     LAST_RESORT_LINE,
     ON_REQUEST_LINE,
+    PARK,
     PARK_LINE,
     RESUME_LINE,
     REWIND_LINE,
@@ -41,8 +43,6 @@ from tests.server.preempt_helpers import (
 
 pytestmark = [pytest.mark.server]
 
-BASE = ["--kv-unified", "--metrics", "--slots", "-t", "1", "-tb", "1", "--no-warmup"]
-PARK = ["--preempt-ram", "8192"]
 
 PROMPTS = [token_prompt(8, seed) for seed in range(4)]
 

@@ -18,6 +18,8 @@ import pytest
 
 from tests.conftest import StartServer
 from tests.server.preempt_helpers import (
+    BASE,
+    PARK,
     completion_body,
     metrics,
     robust_prompts,
@@ -30,8 +32,6 @@ from tests.support.llama import StreamLog, stream_sse
 
 pytestmark = [pytest.mark.server]
 
-BASE = ["--kv-unified", "--metrics", "--slots", "-t", "1", "-tb", "1", "--no-warmup"]
-PARK = ["--preempt-ram", "8192"]
 NOTICE_RE = re.compile(r"^: (preempted|resumed|recomputed)(?: (\d+))?$")
 
 

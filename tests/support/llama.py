@@ -25,6 +25,8 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from sidecar.probe import split_lines
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -185,24 +187,6 @@ class StreamLog:
         """The last data event (the one carrying timings/usage)."""
         ev = self.events
         return ev[-1] if ev else None
-
-
-def split_lines(buf: bytes) -> tuple[list[bytes], bytes]:
-    """Split complete lines off `buf` (\\n, \\r\\n or \\r); return them and the remainder."""
-    lines: list[bytes] = []
-    start = i = 0
-    n = len(buf)
-    while i < n:
-        c = buf[i]
-        if c == 0x0A or c == 0x0D:
-            if c == 0x0D and i + 1 == n:
-                break  # a \r at the end may be the first half of \r\n
-            lines.append(buf[start:i])
-            i += 2 if (c == 0x0D and buf[i + 1] == 0x0A) else 1
-            start = i
-        else:
-            i += 1
-    return lines, buf[start:]
 
 
 def stream_sse(url: str, body: Mapping[str, Any], timeout: float = 300.0,
