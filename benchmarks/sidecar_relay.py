@@ -179,10 +179,18 @@ def bench_throughput(t: Target, conns: int, events: int, secs: float = 2.0) -> d
 
 def bench_latency(t: Target, streams: int, hz: float, secs: float) -> dict[str, float]:
     lat: list[int] = []
+    cpu0 = cpu_seconds(t.pid) if t.pid else 0.0
     run(many(t.port, f"/rate?n={int(hz * secs)}&hz={hz}", streams, lat=lat))
+    cpu = (cpu_seconds(t.pid) - cpu0) if t.pid else 0.0
     lat.sort()
     q = statistics.quantiles(lat, n=100)
-    return {"p50_ms": q[49] / 1e6, "p99_ms": q[98] / 1e6, "events": len(lat)}
+    return {
+        "p50_ms": q[49] / 1e6,
+        "p99_ms": q[98] / 1e6,
+        "events": len(lat),
+        # one event per read here: the per-event cost without read coalescing
+        "cpu_us_per_event": cpu / len(lat) * 1e6,
+    }
 
 
 def bench_park(t: Target, streams: int, secs: float) -> dict[str, float]:
@@ -296,9 +304,9 @@ def report(results: dict[str, dict[str, object]]) -> None:
     direct = results["direct"]["latency"]
     print(
         "\n| target | events/s | CPU µs/event | CPU vs nginx | p50 ms | p99 ms"
-        " | added p50 | added p99 |"
+        " | added p50 | added p99 | CPU µs/event at 50/s |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
         tp, lt = r["throughput"], r["latency"]
         assert isinstance(tp, dict) and isinstance(lt, dict) and isinstance(direct, dict)
@@ -308,10 +316,12 @@ def report(results: dict[str, dict[str, object]]) -> None:
             else "-"
         )
         cpu = f"{tp['cpu_us_per_event']:.2f}" if name != "direct" else "-"
+        lat_cpu = f"{lt['cpu_us_per_event']:.1f}" if name != "direct" else "-"
         print(
             f"| {name} | {tp['events_per_s']:.0f} | {cpu} | {ratio} | {lt['p50_ms']:.3f} | "
             f"{lt['p99_ms']:.3f} | {lt['p50_ms'] - direct['p50_ms']:+.3f} | "
-            f"{lt['p99_ms'] - direct['p99_ms']:+.3f} |"
+            f"{lt['p99_ms'] - direct['p99_ms']:+.3f} | "
+            f"{lat_cpu} |"
         )
     for name, r in results.items():
         if "park" in r:

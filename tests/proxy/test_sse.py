@@ -79,7 +79,8 @@ async def test_six_second_park_gap_bounded(fake: FakeUpstream, sidecar: Sidecar)
 
 
 async def test_idle_keepalive(fake: FakeUpstream, sidecar_factory: SidecarFactory) -> None:
-    fake.route("/s", [sse_head(), ("send", chunk(0)), ("sleep", 1.3), ("send", chunk(1)), ("end",)])
+    # keepalives are due at 90% of the interval: 0.45 s and 0.9 s, the next at 1.35 s
+    fake.route("/s", [sse_head(), ("send", chunk(0)), ("sleep", 1.2), ("send", chunk(1)), ("end",)])
     async with sidecar_factory(fake.url, idle_keepalive=0.5) as sc:
         _, _, reads = await timed_stream(sc.url + "/s")
     body = body_of(reads)
