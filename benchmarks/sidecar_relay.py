@@ -283,7 +283,7 @@ def main() -> None:
                     for kind in ("throughput", "latency")
                 }
             if not args.skip_park:
-                default = next(t for t in targets if t.name.startswith("sidecar[h11"))
+                default = next(t for t in targets if t.name == "sidecar[h11,asyncio]")
                 results[default.name]["park"] = bench_park(default, park_streams, park_secs)
                 print(default.name, "park", json.dumps(results[default.name]["park"]), flush=True)
         finally:
