@@ -50,6 +50,41 @@ def _wait_for(cond: object, timeout: float = 10.0) -> None:
         time.sleep(0.01)
 
 
+def test_cli_reads_environment() -> None:
+    """Every option also comes from LLAMA_SIDECAR_*: start the command with env only."""
+    import subprocess
+    import sys
+
+    with fake_upstream_in_thread() as fake:
+        env = {
+            **os.environ,
+            "LLAMA_SIDECAR_UPSTREAM": fake.url,
+            "LLAMA_SIDECAR_LISTEN": "127.0.0.1:0",
+            "LLAMA_SIDECAR_METRICS_LISTEN": "127.0.0.1:0",
+            "LLAMA_SIDECAR_API_KEY": "envkey",
+        }
+        proc = subprocess.Popen(
+            [sys.executable, "-c", "from sidecar.cli.proxy import main; main()"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=env,
+        )
+        try:
+            assert proc.stdout is not None
+            line = proc.stdout.readline()
+            assert "listening on http://127.0.0.1:" in line
+            url = line.split("listening on ")[1].split()[0]
+            with httpx.Client() as c:
+                assert c.post(url + "/echo", content=b"x").status_code == 401
+                r = c.post(url + "/echo", content=b"x", headers={"Authorization": "Bearer envkey"})
+                assert r.status_code == 200
+        finally:
+            proc.terminate()
+            assert proc.wait(10) == 0
+            proc.stdout.close()  # type: ignore[union-attr]
+
+
 @pytest.mark.slow
 def test_sigterm_drains_running_streams() -> None:
     script = [sse_head(), *[x for i in range(20) for x in (("send", chunk(i)), ("sleep", 0.1))],
