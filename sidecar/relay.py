@@ -608,7 +608,10 @@ class Exchange:
             if self.parks.parked:
                 m.streams_parked.dec()
             for ended in self.parks.close(now):
-                self._park_ended(ended)
+                # Still parked at the end (client left, upstream died): the park
+                # lasted this long, but it was neither resumed nor recomputed.
+                self.metrics.park_duration.observe(ended.duration)
+                self.rec.parked_seconds += ended.duration
             if self.policy is not None:
                 rec.longest_silence = self.policy.silence(now)
                 m.longest_silence.observe(rec.longest_silence)
