@@ -158,17 +158,36 @@ def run_behind_resident(
     return logs["a"], logs["b"]
 
 
+PARK_SECONDS = 5.0
+
+
+def long_park_sizes(start_server: StartServer, model: Path) -> tuple[int, int, int]:
+    """(pool, leader tokens, parked tokens) so that the park lasts about PARK_SECONDS here.
+
+    B starts when A holds 2 tokens; both grow until the pool is full at about half each; B
+    (the smaller) is parked until A finishes. The park therefore lasts (A - pool/2) tokens of A
+    alone: sizing it from this machine's measured speed keeps the keepalive tests meaningful
+    on a machine of any speed (a fixed size gave sub-second parks on a GPU).
+    """
+    probe = start_server(model=model, args=[*BASE, "-c", "256", "-np", "1"])
+    speed = completion(probe.url, token_prompt(8, 1), 32).final()["timings"]["predicted_per_second"]
+    probe.stop()
+    pool = max(512, -(-int(2 * PARK_SECONDS * speed + 64) // 64) * 64)
+    return pool, pool - 32, pool // 2 + 44
+
+
 @pytest.mark.slow
 def test_parked_stream_says_so_with_keepalives(start_server: StartServer, slow_model: Path) -> None:
     """Two streams that overflow the pool: the parked one is told (paired notices), and while it
-    waits (the leader still has ~200 tokens to go: several seconds) it gets a keepalive at least
-    every 2 s (interval + 1 s of reader slack)."""
-    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "512", "-np", "2"])
-    a, b = run_behind_resident(srv.url, token_prompt(8, 1), 300, a_at=2, a_tokens=480)
+    waits (about PARK_SECONDS) it gets a keepalive at least every 2 s (interval + 1 s of reader
+    slack)."""
+    pool, a_tokens, b_tokens = long_park_sizes(start_server, slow_model)
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", str(pool), "-np", "2"])
+    a, b = run_behind_resident(srv.url, token_prompt(8, 1), b_tokens, a_at=2, a_tokens=a_tokens)
     assert a.status == b.status == 200
     assert not notices(a), "the leader is never parked"
     assert assert_paired(b) >= 1
-    assert len(b.tokens()) == 300 and b.done is False  # /completion ends without [DONE]
+    assert len(b.tokens()) == b_tokens and b.done is False  # /completion ends without [DONE]
     gaps = keepalive_gaps(b)
     assert gaps, "a park of several seconds carried no keepalive"
     assert max(gaps) <= 2 + 1, gaps
@@ -193,13 +212,14 @@ def keepalive_gaps(log: StreamLog) -> list[float]:
 def test_keepalive_follows_a_shorter_ping_interval(
     start_server: StartServer, slow_model: Path
 ) -> None:
+    pool, a_tokens, b_tokens = long_park_sizes(start_server, slow_model)
     srv = start_server(
         model=slow_model,
-        args=[*BASE, *PARK, "-c", "512", "-np", "2", "--sse-ping-interval", "1"],
+        args=[*BASE, *PARK, "-c", str(pool), "-np", "2", "--sse-ping-interval", "1"],
     )
-    _, b = run_behind_resident(srv.url, token_prompt(8, 1), 300, a_at=2, a_tokens=480)
+    _, b = run_behind_resident(srv.url, token_prompt(8, 1), b_tokens, a_at=2, a_tokens=a_tokens)
     kept = [t for t, line in b.lines if line == ": preempt-keepalive"]
-    assert len(kept) >= 2
+    assert len(kept) >= 2, f"{len(kept)} keepalives; comments: {b.comments}"
     spacing = [y - x for x, y in itertools.pairwise(kept)]
     assert max(spacing) <= 1 + 1, spacing
     assert sorted(spacing)[len(spacing) // 2] < 1.5, f"spacing is 2 s, not 1: {spacing}"
