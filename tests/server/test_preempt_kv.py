@@ -32,6 +32,7 @@ from tests.server.preempt_helpers import (
     complete,
     complete_many,
     count_lines,
+    long_park_sizes,
     metrics,
     preempt_log_lines,
     robust_prompts,
@@ -253,11 +254,12 @@ def test_two_near_full_prompts(start_server: StartServer) -> None:
 def test_cancel_while_parked_frees_ram_and_slot(
     start_server: StartServer, slow_model: Path
 ) -> None:
-    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "2"])
+    pool, a_tokens, b_tokens = long_park_sizes(start_server, slow_model)
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", str(pool), "-np", "2"])
     results: dict[str, Completion] = {}
 
     def run_a() -> None:
-        results["a"] = complete(srv.url, PROMPTS[0], 240)
+        results["a"] = complete(srv.url, PROMPTS[0], a_tokens)
 
     ta = threading.Thread(target=run_a, daemon=True)
     ta.start()
@@ -268,7 +270,7 @@ def test_cancel_while_parked_frees_ram_and_slot(
         ),
         what="A generating",
     )
-    b = RawStream(srv.url, PROMPTS[1], 240)
+    b = RawStream(srv.url, PROMPTS[1], b_tokens)
 
     parked = wait_for(
         lambda: [s for s in slots(srv.url) if s.get("is_preempted")],
@@ -292,7 +294,7 @@ def test_cancel_while_parked_frees_ram_and_slot(
     assert len(busy) == 1 and not busy[0]["is_preempted"]
 
     ta.join(120)
-    assert results["a"].ok and results["a"].n_predicted == 240
+    assert results["a"].ok and results["a"].n_predicted == a_tokens
     after = complete(srv.url, PROMPTS[2], 16)
     assert after.ok and after.n_predicted == 16
     m = wait_settled(srv.url)

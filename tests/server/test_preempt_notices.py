@@ -21,6 +21,7 @@ from tests.server.preempt_helpers import (
     BASE,
     PARK,
     completion_body,
+    long_park_sizes,
     metrics,
     robust_prompts,
     slots,
@@ -158,28 +159,10 @@ def run_behind_resident(
     return logs["a"], logs["b"]
 
 
-PARK_SECONDS = 5.0
-
-
-def long_park_sizes(start_server: StartServer, model: Path) -> tuple[int, int, int]:
-    """(pool, leader tokens, parked tokens) so that the park lasts about PARK_SECONDS here.
-
-    B starts when A holds 2 tokens; both grow until the pool is full at about half each; B
-    (the smaller) is parked until A finishes. The park therefore lasts (A - pool/2) tokens of A
-    alone: sizing it from this machine's measured speed keeps the keepalive tests meaningful
-    on a machine of any speed (a fixed size gave sub-second parks on a GPU).
-    """
-    probe = start_server(model=model, args=[*BASE, "-c", "256", "-np", "1"])
-    speed = completion(probe.url, token_prompt(8, 1), 32).final()["timings"]["predicted_per_second"]
-    probe.stop()
-    pool = max(512, -(-int(2 * PARK_SECONDS * speed + 64) // 64) * 64)
-    return pool, pool - 32, pool // 2 + 44
-
-
 @pytest.mark.slow
 def test_parked_stream_says_so_with_keepalives(start_server: StartServer, slow_model: Path) -> None:
     """Two streams that overflow the pool: the parked one is told (paired notices), and while it
-    waits (about PARK_SECONDS) it gets a keepalive at least every 2 s (interval + 1 s of reader
+    waits (about five seconds) it gets a keepalive at least every 2 s (interval + 1 s of reader
     slack)."""
     pool, a_tokens, b_tokens = long_park_sizes(start_server, slow_model)
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", str(pool), "-np", "2"])
