@@ -33,6 +33,7 @@ import anyio.abc
 import h11
 
 from sidecar.errors import PEER_GONE
+from sidecar.transport import TransportStream
 
 __all__ = ["READ_SIZE", "H11Stream"]
 
@@ -135,6 +136,33 @@ class H11Stream:
         out = self.conn.send(h11.Data(data=data))
         if out:
             await self._write(out)
+
+    def send_data_now(self, data: bytes) -> None:
+        """:meth:`send_data` without awaiting, for callbacks on the loop thread.
+
+        Needs a :class:`~sidecar.transport.TransportStream`; the bytes go to the
+        transport at once (call :meth:`drain` from a task for back-pressure).
+        """
+        stream = self.stream
+        assert isinstance(stream, TransportStream)
+        out = self.conn.send(h11.Data(data=data))
+        if out:
+            try:
+                stream.write(out)
+            except BaseException:
+                self.conn.send_failed()
+                raise
+
+    @property
+    def backed_up(self) -> bool:
+        """True while written bytes wait for the kernel buffer (see :meth:`drain`)."""
+        stream = self.stream
+        return isinstance(stream, TransportStream) and stream.write_paused
+
+    async def drain(self) -> None:
+        stream = self.stream
+        if isinstance(stream, TransportStream):
+            await stream.drain()
 
     async def _write(self, data: bytes) -> None:
         try:

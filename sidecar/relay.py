@@ -43,6 +43,7 @@ arrives as a single ``data: {"error": ...}`` event.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -86,7 +87,7 @@ from sidecar.keepalive import KeepalivePolicy, Reason
 from sidecar.metrics import Metrics, route_label, status_class
 from sidecar.notices import NoticeKind, ParkEnded, ParkStarted, ParkTracker, classify
 from sidecar.sse import SSEScanner
-from sidecar.upstream import ResponseHead, UpstreamClient, UpstreamResponse
+from sidecar.upstream import H11Response, ResponseHead, UpstreamClient, UpstreamResponse
 
 __all__ = ["AccessRecord", "Context", "Exchange", "answer_error", "client_side"]
 
@@ -231,6 +232,9 @@ class Exchange:
         self._tg: anyio.abc.TaskGroup | None = None
         self._error: SidecarError | None = None
         self._stream_tail = b""
+        self._loop = asyncio.get_running_loop()
+        self._ka_timer: asyncio.TimerHandle | None = None
+        self._ka_stopped = False
 
     # ------------------------------------------------------------------ entry
 
@@ -258,6 +262,7 @@ class Exchange:
             if not self.started and await answer_error(self.client, exc.status_hint, str(exc)):
                 self.rec.status = exc.status_hint
         finally:
+            self._stop_keepalive()
             self.ctx.active -= 1
             with anyio.CancelScope(shield=True):
                 self._record()
@@ -365,6 +370,7 @@ class Exchange:
                 self._error = exc
             finally:
                 tg.cancel_scope.cancel()
+                self._stop_keepalive()
         if self._error is not None:
             raise self._error
         if self.client_gone:
@@ -431,37 +437,51 @@ class Exchange:
             lead=KEEPALIVE_LEAD,
         )
         self.metrics.streams_active.inc()
-        assert self._tg is not None
-        self._tg.start_soon(self._ticker)
+        self._arm_keepalive(0.0)
 
     async def _pump(self, resp: UpstreamResponse) -> None:
         client = self.client
-        clock = self.clock
-        scanner = self.scanner if self.sse else None
-        policy = self.policy
-        first = True
-        while True:
-            data = await resp.receive()
-            if not data:
-                break
-            if first:
-                first = False
-                self.rec.ttfb = clock() - self.t0
-                if self.phase == "prompt":
-                    self.phase = "streaming"
-            self.rec.bytes_out += len(data)
-            async with self.lock:
-                if scanner is not None:
-                    for text in scanner.feed_comments(data):
-                        self._on_comment(text)
-                with client_side(client):
-                    await client.send_data(data)
-                if policy is not None:
-                    policy.wrote(clock())
+        if isinstance(resp, H11Response) and resp.can_relay:
+            # Hot path: upstream bytes are decoded, scanned and written
+            # downstream from the read callback (no task switch per event).
+            await resp.relay(self._deliver, self._drain_client)
+        else:
+            while data := await resp.receive():
+                async with self.lock:
+                    if self._deliver(data):
+                        await self._drain_client()
         async with self.lock:
             with client_side(client):
                 await client.send(h11.EndOfMessage())
             self.finished = True
+
+    def _deliver(self, data: bytes) -> bool:
+        """Relay one piece of the body downstream, synchronously.
+
+        Runs in the upstream read callback on the hot path.  No task holds
+        ``self.lock`` then (the head was sent, early open has settled, and the
+        keepalive timer never awaits), and this write cannot be interleaved
+        with another one, so it is as serialised as a write under the lock.
+        Returns True when downstream is backed up (the caller drains).
+        """
+        if self.rec.ttfb is None:
+            self.rec.ttfb = self.clock() - self.t0
+            if self.phase == "prompt":
+                self.phase = "streaming"
+        self.rec.bytes_out += len(data)
+        if self.sse:
+            for text in self.scanner.feed_comments(data):
+                self._on_comment(text)
+        client = self.client
+        with client_side(client):
+            client.send_data_now(data)
+        if self.policy is not None:
+            self.policy.wrote(self.clock())
+        return client.backed_up
+
+    async def _drain_client(self) -> None:
+        with client_side(self.client):
+            await self.client.drain()
 
     def _on_comment(self, text: bytes) -> None:
         notice = classify(text)
@@ -498,45 +518,61 @@ class Exchange:
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
 
-    async def _ticker(self) -> None:
+    def _keepalive_due(self) -> None:
+        """Keepalive timer callback: write a comment if one is due, re-arm.
+
+        One ``loop.call_later`` timer per stream instead of a sleeping task:
+        thousands of parked streams then cost one heap entry each, and a due
+        keepalive is written straight from the callback, so loop lag is all
+        that stands between the deadline and the write.
+        """
+        self._ka_timer = None
         policy = self.policy
-        assert policy is not None and self._tg is not None
-        clock = self.clock
-        client = self.client
-        try:
-            while True:
-                async with self.lock:
-                    if self.finished:
-                        return
-                    now = clock()
-                    parked = self.parks.parked
-                    at_boundary = self.scanner.at_boundary
-                    ka = policy.due(
-                        now,
-                        parked=parked,
-                        at_boundary=at_boundary,
-                        early_open=self.early_opened and not self.upstream_answered,
-                    )
-                    if ka is not None:
-                        await client.send_data(ka.payload)
-                        now = clock()
-                        policy.wrote(now)
-                        self.rec.keepalives += 1
-                        self.metrics.keepalives.labels(ka.reason.value).inc()
-                    delay = policy.deadline(parked) - now
-                if delay <= 0:
-                    # Due but inside an event: look again shortly.
-                    delay = BOUNDARY_POLL
-                elif not parked:
-                    # A park may start at any moment and shorten the interval; its
-                    # notice is a write, so checking every park interval suffices.
-                    delay = min(delay, policy.park_interval)
-                # Plain timed sleeps: far cheaper than a cancel scope per wake-up
-                # when thousands of parked streams tick every second.
-                await anyio.sleep(delay)
-        except IO_ERRORS:
-            self.client_gone = True
-            self._tg.cancel_scope.cancel()
+        if policy is None or self.finished or self._ka_stopped:
+            return
+        now = self.clock()
+        parked = self.parks.parked
+        if self.lock.locked():
+            # A task is between the parts of a write (head, error event, end):
+            # never put a comment in there; look again shortly.
+            self._arm_keepalive(BOUNDARY_POLL)
+            return
+        ka = policy.due(
+            now,
+            parked=parked,
+            at_boundary=self.scanner.at_boundary,
+            early_open=self.early_opened and not self.upstream_answered,
+        )
+        if ka is not None:
+            try:
+                self.client.send_data_now(ka.payload)
+            except IO_ERRORS:
+                self.client_gone = True
+                assert self._tg is not None
+                self._tg.cancel_scope.cancel()
+                return
+            now = self.clock()
+            policy.wrote(now)
+            self.rec.keepalives += 1
+            self.metrics.keepalives.labels(ka.reason.value).inc()
+        delay = policy.deadline(parked) - now
+        if delay <= 0:
+            # Due but inside an event: look again shortly.
+            delay = BOUNDARY_POLL
+        elif not parked:
+            # A park may start at any moment and shorten the interval; its
+            # notice is a write, so checking every park interval suffices.
+            delay = min(delay, policy.park_interval)
+        self._arm_keepalive(delay)
+
+    def _arm_keepalive(self, delay: float) -> None:
+        self._ka_timer = self._loop.call_later(delay, self._keepalive_due)
+
+    def _stop_keepalive(self) -> None:
+        self._ka_stopped = True
+        if self._ka_timer is not None:
+            self._ka_timer.cancel()
+            self._ka_timer = None
 
     async def _early_open_timer(self, after: float) -> None:
         await self.body_done.wait()

@@ -39,19 +39,22 @@ Programmatic API
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import logging
 import os
 import re
 import selectors
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Coroutine, Iterator, Mapping
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from typing import Any
 
 import anyio
 import anyio.abc
@@ -66,6 +69,7 @@ from sidecar.config import Config, format_hostport
 from sidecar.errors import ClientDisconnected, ClientError
 from sidecar.metrics import Metrics, status_class
 from sidecar.relay import AccessRecord, Context, Exchange, answer_error, client_side
+from sidecar.transport import TransportStream, accepted
 from sidecar.upstream import UpstreamClient, make_upstream
 
 __all__ = [
@@ -187,18 +191,51 @@ class Sidecar:
     async def _accept_loop(
         self,
         listener: anyio.abc.Listener[anyio.abc.SocketStream],
-        handler: Callable[[anyio.abc.SocketStream], Awaitable[None]],
+        handler: Callable[[TransportStream], Coroutine[Any, Any, None]],
         scope: anyio.CancelScope,
     ) -> None:
+        # Accept on the listening sockets ourselves so that connections become
+        # TransportStreams (sidecar/transport.py) rather than anyio SocketStreams.
+        socks = [
+            inner.extra(SocketAttribute.raw_socket)
+            for inner in getattr(listener, "listeners", [listener])
+        ]
         with scope:
-            await listener.serve(handler, task_group=self._conns)
+            async with anyio.create_task_group() as tg:
+                for sock in socks:
+                    tg.start_soon(self._accept_socket, sock, handler)
         # Closing the listening socket makes new connections fail at once.
         with anyio.CancelScope(shield=True):
             await listener.aclose()
 
+    async def _accept_socket(
+        self, sock: socket.socket, handler: Callable[[TransportStream], Coroutine[Any, Any, None]]
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        assert self._conns is not None
+        while True:
+            try:
+                client, _ = await loop.sock_accept(sock)
+            except asyncio.CancelledError:
+                # bpo-41317: a cancelled sock_accept leaves its reader registered.
+                with suppress(ValueError, NotImplementedError):
+                    loop.remove_reader(sock)
+                raise
+            except OSError as exc:
+                # EMFILE and friends: keep serving the connections we have.
+                log.warning("accept failed: %s", exc)
+                await anyio.sleep(0.1)
+                continue
+            try:
+                stream = await accepted(client)
+            except OSError:
+                client.close()
+                continue
+            self._conns.start_soon(handler, stream)
+
     # ------------------------------------------------------------ proxy side
 
-    async def _handle_client(self, stream: anyio.abc.SocketStream) -> None:
+    async def _handle_client(self, stream: TransportStream) -> None:
         cfg = self.config
         client = H11Stream(stream, h11.SERVER, max_incomplete_event_size=cfg.max_header_bytes)
         try:
@@ -275,7 +312,7 @@ class Sidecar:
 
     # ---------------------------------------------------------- metrics side
 
-    async def _handle_metrics(self, stream: anyio.abc.SocketStream) -> None:
+    async def _handle_metrics(self, stream: TransportStream) -> None:
         client = H11Stream(stream, h11.SERVER)
         try:
             while True:

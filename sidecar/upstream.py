@@ -26,8 +26,9 @@ propagate unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import select
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -48,6 +49,7 @@ from sidecar.errors import (
     UpstreamTimeout,
 )
 from sidecar.headers import Headers, connection_tokens, get_header
+from sidecar.transport import TransportStream, connect
 
 __all__ = [
     "H11Upstream",
@@ -105,8 +107,11 @@ def _peer_closed(stream: H11Stream) -> bool:
     An idle keep-alive connection must have nothing to read: readability means
     EOF (the server closed it) or stray bytes, and either way it is discarded.
     """
+    raw = stream.stream
+    if isinstance(raw, TransportStream) and (raw.at_eof or raw.has_queued):
+        return True  # reading stays enabled, so the loop may have seen it already
     try:
-        sock = stream.stream.extra(SocketAttribute.raw_socket)
+        sock = raw.extra(SocketAttribute.raw_socket)
         readable, _, _ = select.select([sock.fileno()], [], [], 0)
     except (OSError, ValueError, anyio.TypedAttributeLookupError):
         return True
@@ -124,7 +129,7 @@ class H11Upstream:
     async def _connect(self) -> H11Stream:
         try:
             with anyio.fail_after(self.connect_timeout):
-                sock = await anyio.connect_tcp(self.host, self.port)
+                sock = await connect(self.host, self.port)
         except TimeoutError as exc:
             raise UpstreamTimeout(f"connect to {self.host}:{self.port} timed out") from exc
         except OSError as exc:
@@ -224,6 +229,95 @@ async def _next(conn: H11Stream) -> h11.Event:
         raise UpstreamProtocolError(f"bad response from upstream: {exc}") from exc
 
 
+class _BodySink:
+    """Decodes a chunked body inside the upstream read callback (see H11Response.relay).
+
+    ``deliver(data)`` gets each decoded piece and returns True when downstream
+    is backed up; reading from upstream then pauses until the relay task has
+    waited for downstream to drain.  Failures (bad framing, upstream gone, a
+    failed delivery) are stored and raised by the relay task, never from the
+    callback, so the event loop never sees them.
+    """
+
+    __slots__ = (
+        "_decoder",
+        "_deliver",
+        "_loop",
+        "_stream",
+        "_waiter",
+        "blocked",
+        "error",
+        "finished",
+    )
+
+    def __init__(
+        self,
+        stream: TransportStream,
+        decoder: ChunkedDecoder,
+        deliver: Callable[[bytes], bool],
+    ) -> None:
+        self._stream = stream
+        self._decoder = decoder
+        self._deliver = deliver
+        self._loop = asyncio.get_running_loop()
+        self._waiter: asyncio.Future[None] | None = None
+        self.blocked = False
+        self.finished = False
+        self.error: BaseException | None = None
+
+    def feed(self, data: bytes) -> None:
+        if self.finished:
+            self._decoder.feed(data)  # past the end: kept as leftover (no reuse)
+            return
+        if self.error is not None:
+            return
+        try:
+            out = self._decoder.feed(data)
+        except ChunkedError as exc:
+            self._fail(UpstreamProtocolError(f"bad chunked body from upstream: {exc}"))
+            return
+        if out:
+            try:
+                backed_up = self._deliver(out)
+            except Exception as exc:
+                self._fail(exc)
+                return
+            if backed_up:
+                self.blocked = True
+                self._stream.pause_reading()
+                self._wake()
+        if self._decoder.done:
+            self.finished = True
+            self._wake()
+
+    def lost(self, exc: BaseException | None) -> None:
+        if not self.finished and self.error is None:
+            self._fail(UpstreamDisconnected("upstream closed the connection mid-response"))
+
+    def _fail(self, exc: BaseException) -> None:
+        self.error = exc
+        self._stream.pause_reading()
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Until finished, failed or blocked."""
+        if not (self.finished or self.blocked or self.error is not None):
+            self._waiter = self._loop.create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    def unblock(self) -> None:
+        self.blocked = False
+        self._stream.resume_reading()
+
+
 class H11Response:
     """Body reader.  ``receive`` returns every body byte already read from the
     socket in one piece: several upstream chunks (one SSE event each, as
@@ -263,6 +357,44 @@ class H11Response:
                 raise UpstreamProtocolError(f"bad chunked body from upstream: {exc}") from exc
             if out:
                 return out
+
+    @property
+    def can_relay(self) -> bool:
+        """True if :meth:`relay` may be used instead of :meth:`receive`."""
+        return self._decoder is not None and isinstance(self._conn.stream, TransportStream)
+
+    async def relay(
+        self, deliver: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]
+    ) -> None:
+        """Relay the rest of the body from the read callback (the hot path).
+
+        Each decoded piece goes to ``deliver`` straight from ``data_received``:
+        no task switch per event.  This task only sleeps until the body ends,
+        fails, or ``deliver`` reported back-pressure (then it awaits ``drain()``
+        and reading resumes).  Raises what :meth:`receive` would raise.
+        """
+        decoder = self._decoder
+        stream = self._conn.stream
+        assert decoder is not None and isinstance(stream, TransportStream)
+        sink = _BodySink(stream, decoder, deliver)
+        pending = self._pending + stream.set_sink(sink)
+        self._pending = b""
+        try:
+            if pending:
+                sink.feed(pending)
+            if stream.at_eof:
+                sink.lost(None)  # EOF arrived before the sink was installed
+            while True:
+                await sink.wait()
+                if sink.error is not None:
+                    raise sink.error
+                if sink.finished:
+                    self._done = True
+                    return
+                await drain()
+                sink.unblock()
+        finally:
+            stream.set_sink(None)
 
     async def receive(self) -> bytes:
         if self._done:
