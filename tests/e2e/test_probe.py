@@ -46,7 +46,8 @@ def test_probe_reports_the_parks_the_server_reports(run_preempting_up: RunUp,
     assert totals["resumes"] == resumes1 - resumes0
     # The sidecar counted the same parks.
     sidecar = parse_metrics(httpx.get(up.metrics_url, timeout=30).text, prefix="llama_sidecar_")
-    assert sidecar["parks_total"] == totals["parks"]
+    assert sidecar["parks_total"] == totals["parks"] == parks1 - parks0
+    assert sidecar["resumes_total"] == totals["resumes"] == resumes1 - resumes0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
