@@ -169,6 +169,16 @@ work="$cache/work/$kind-$variant"
 [ -z "$src" ] || work="$work-src-$(echo "$src" | sha256sum | cut -c1-8)"
 tree="$work/src"
 mkdir -p "$work"
+# One build per work tree at a time; a build that waited may find the binary already made.
+if command -v flock >/dev/null 2>&1; then
+    exec 9>"$work/.lock"
+    flock -n 9 || { say "another build of this tree is running; waiting for it"; flock 9; }
+    if [ -z "$src" ] && [ -x "$binary" ]; then
+        say "cached: $binary"
+        echo "$binary"
+        exit 0
+    fi
+fi
 rm -rf "$tree.new"
 say "preparing $kind tree in $tree"
 cp -a "$pristine" "$tree.new"
