@@ -473,8 +473,12 @@ class Exchange:
             for text in self.scanner.feed_comments(data):
                 self._on_comment(text)
         client = self.client
-        with client_side(client):
+        try:
             client.send_data_now(data)
+        except Exception:
+            # Translate only on the error path: a context manager per event costs.
+            with client_side(client):
+                raise
         if self.policy is not None:
             self.policy.wrote(self.clock())
         return client.backed_up
