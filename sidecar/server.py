@@ -90,8 +90,9 @@ READY_RE = re.compile(r"listening on (http://\S+) metrics (\S+)")
 def _use_uvloop() -> bool:
     """uvloop is opt-in (``LLAMA_SIDECAR_UVLOOP=1``) and only if installed.
 
-    docs/benchmarks.md ("Sidecar relay"): no measurable gain over asyncio for
-    this workload, so the default stays on the standard library loop.
+    docs/benchmarks.md ("Sidecar relay"): no consistent gain over asyncio for
+    this workload (less CPU per event, but not reliably lower latency), so the
+    default stays on the standard library loop.
     """
     if os.environ.get("LLAMA_SIDECAR_UVLOOP", "0") not in ("1", "true", "yes"):
         return False
