@@ -167,6 +167,25 @@ class H11Stream:
                 self.conn.send_failed()
                 raise
 
+    def send_wire_now(self, data: bytes, wire: bytes | None) -> None:
+        """:meth:`send_data_now` for ``data`` that also comes as chunked ``wire`` bytes.
+
+        When our body is chunked, ``wire`` (``data`` in complete canonical
+        chunks, as the upstream framed it) is written as it stands: the
+        downstream framing becomes the upstream's, and nothing is re-encoded.
+        """
+        if wire is None or not self._chunked_out:
+            self.send_data_now(data)
+            return
+        stream = self.stream
+        assert isinstance(stream, TransportStream)
+        try:
+            stream.write(wire)
+        except BaseException:
+            self._chunked_out = False
+            self.conn.send_failed()
+            raise
+
     @property
     def backed_up(self) -> bool:
         """True while written bytes wait for the kernel buffer (see :meth:`drain`)."""

@@ -15,14 +15,53 @@ Chunk extensions are ignored (RFC 9112 section 7.1.1 allows that); trailer
 fields are read and dropped (the sidecar does not relay trailers).  A bare LF
 is accepted as a line end, like h11 does.  Malformed framing raises
 :class:`ChunkedError`.
+
+Pass-through: :func:`whole_chunks` finds the prefix of a read that is a run of
+complete data chunks in canonical form (hex size, no extension, CRLF, data,
+CRLF).  Those bytes are valid chunked framing as they stand, so a relay whose
+downstream is chunked too may write them unchanged instead of decoding and
+re-framing (the payload is still returned, for scanning).  What follows the
+prefix (a partial chunk, the last-chunk, an extension, a bare LF) goes through
+the decoder: whole chunks leave an :attr:`~ChunkedDecoder.idle` decoder exactly
+where it was, so the two can take turns on one body.
 """
 
 from __future__ import annotations
 
-__all__ = ["ChunkedDecoder", "ChunkedError"]
+import re
+
+__all__ = ["ChunkedDecoder", "ChunkedError", "whole_chunks"]
 
 MAX_LINE = 4096  # chunk-size line or trailer line
 _HEX = frozenset(b"0123456789abcdefABCDEF")
+_SIZE_LINE = re.compile(rb"([0-9a-fA-F]{1,15})\r\n")
+
+
+def whole_chunks(data: bytes) -> tuple[bytes, int]:
+    """The longest prefix of ``data`` made of complete canonical data chunks.
+
+    Returns its payload and its length in ``data`` (``(b"", 0)`` if ``data``
+    does not start with one).  One regex match and two slices per chunk, which
+    is cheaper than the decoder's state machine; the caller may forward
+    ``data[:length]`` as it stands (see the module docstring).
+    """
+    match = _SIZE_LINE.match
+    n = len(data)
+    pos = 0
+    parts: list[bytes] = []
+    while pos < n:
+        m = match(data, pos)
+        if m is None:
+            break
+        start = m.end()
+        end = start + int(m.group(1), 16)
+        if end == start or data[end : end + 2] != b"\r\n":
+            break  # the last-chunk, or incomplete / malformed: the decoder's job
+        parts.append(data[start:end])
+        pos = end + 2
+    if len(parts) == 1:
+        return parts[0], pos  # the usual case: one token, one chunk, one read
+    return b"".join(parts), pos
 
 
 class ChunkedError(ValueError):
@@ -39,6 +78,11 @@ class ChunkedDecoder:
         self._state = "size"
         self._remaining = 0
         self.done = False
+
+    @property
+    def idle(self) -> bool:
+        """At the start of a chunk with nothing buffered (see :func:`whole_chunks`)."""
+        return self._state == "size" and not self._buf and not self.done
 
     @property
     def leftover(self) -> bytes:

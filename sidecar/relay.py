@@ -34,6 +34,15 @@ Theory of operation
    JSON error response.  Metrics and the access-log line are recorded in a
    ``finally`` that runs under cancellation too.
 
+Hot path (a chunked upstream body, i.e. every llama-server stream): the body
+is relayed from the upstream read callback (:meth:`Exchange._deliver`), with
+no task switch per event.  When the client's response is chunked as well,
+the upstream's complete chunks are written as they arrived (scanned, never
+decoded and re-encoded); only a chunk split across reads, or one in a
+non-canonical form, is decoded and framed again.  Every write therefore ends
+at a chunk boundary, so a keepalive comment written between two writes (at an
+event boundary) is always its own chunk.
+
 Early open (``--early-open-after S``): for a request that asked to stream
 (``"stream": true`` in the body or ``Accept: text/event-stream``), if no
 upstream head arrived S seconds after the request body was forwarded, a 200
@@ -455,13 +464,17 @@ class Exchange:
                 await client.send(h11.EndOfMessage())
             self.finished = True
 
-    def _deliver(self, data: bytes) -> bool:
+    def _deliver(self, data: bytes, wire: bytes | None = None) -> bool:
         """Relay one piece of the body downstream, synchronously.
 
         Runs in the upstream read callback on the hot path.  No task holds
         ``self.lock`` then (the head was sent, early open has settled, and the
         keepalive timer never awaits), and this write cannot be interleaved
         with another one, so it is as serialised as a write under the lock.
+        ``wire`` is ``data`` in whole chunks as upstream framed them; a chunked
+        downstream gets those bytes unchanged.  Whole chunks keep the
+        downstream at a chunk boundary after every write, which is where the
+        keepalive timer may add its comment.
         Returns True when downstream is backed up (the caller drains).
         """
         if self.rec.ttfb is None:
@@ -474,7 +487,7 @@ class Exchange:
                 self._on_comment(text)
         client = self.client
         try:
-            client.send_data_now(data)
+            client.send_wire_now(data, wire)
         except Exception:
             # Translate only on the error path: a context manager per event costs.
             with client_side(client):

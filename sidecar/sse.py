@@ -123,6 +123,12 @@ class SSEScanner:
             return []
         if self._partial:
             data = self._partial + data
+        if data[-2:] == b"\n\n" and data[0] != 0x3A and b"\n:" not in data:
+            # Whole events and no comment line (a comment starts the data or
+            # follows a \n): the usual read of a token stream, decided in C.
+            self._partial = b""
+            self._pending_fields = False
+            return []
         lines = data.split(b"\n")
         self._partial = lines.pop()
         if not lines:

@@ -39,7 +39,7 @@ import httpx
 from anyio.abc import SocketAttribute
 
 from sidecar.adapter import H11Stream
-from sidecar.chunked import ChunkedDecoder, ChunkedError
+from sidecar.chunked import ChunkedDecoder, ChunkedError, whole_chunks
 from sidecar.config import Config
 from sidecar.errors import (
     PEER_GONE,
@@ -234,14 +234,20 @@ class _BodySink:
 
     ``deliver(data)`` gets each decoded piece and returns True when downstream
     is backed up; reading from upstream then pauses until the relay task has
-    waited for downstream to drain.  Failures (bad framing, upstream gone, a
-    failed delivery) are stored and raised by the relay task, never from the
-    callback, so the event loop never sees them.
+    waited for downstream to drain.  With ``framed=True`` it is called as
+    ``deliver(data, wire)``, where ``wire`` is ``data`` in chunked framing made
+    mostly of the upstream's own bytes (see :func:`~sidecar.chunked.whole_chunks`),
+    or ``None`` when no upstream chunk in the read was whole; a chunked
+    downstream writes ``wire`` as it is, sparing a decode and a re-frame per
+    event.  Failures (bad framing, upstream gone, a failed delivery) are stored
+    and raised by the relay task, never from the callback, so the event loop
+    never sees them.
     """
 
     __slots__ = (
         "_decoder",
         "_deliver",
+        "_framed",
         "_loop",
         "_stream",
         "_waiter",
@@ -254,11 +260,14 @@ class _BodySink:
         self,
         stream: TransportStream,
         decoder: ChunkedDecoder,
-        deliver: Callable[[bytes], bool],
+        deliver: Callable[..., bool],
+        *,
+        framed: bool = False,
     ) -> None:
         self._stream = stream
         self._decoder = decoder
         self._deliver = deliver
+        self._framed = framed
         self._loop = asyncio.get_running_loop()
         self._waiter: asyncio.Future[None] | None = None
         self.blocked = False
@@ -271,14 +280,31 @@ class _BodySink:
             return
         if self.error is not None:
             return
+        decoder = self._decoder
+        wire: bytes | None = None
         try:
-            out = self._decoder.feed(data)
+            if self._framed and decoder.idle:
+                out, used = whole_chunks(data)
+                if used == len(data):
+                    wire = data
+                elif used:
+                    # Whole chunks, then something the decoder has to see (a
+                    # partial chunk, the end): forward the first, re-frame the rest.
+                    tail = decoder.feed(data[used:])
+                    wire = data[:used]
+                    if tail:
+                        wire += b"%x\r\n%b\r\n" % (len(tail), tail)
+                        out += tail
+                else:
+                    out = decoder.feed(data)
+            else:
+                out = decoder.feed(data)
         except ChunkedError as exc:
             self._fail(UpstreamProtocolError(f"bad chunked body from upstream: {exc}"))
             return
         if out:
             try:
-                backed_up = self._deliver(out)
+                backed_up = self._deliver(out, wire) if self._framed else self._deliver(out)
             except Exception as exc:
                 self._fail(exc)
                 return
@@ -286,7 +312,7 @@ class _BodySink:
                 self.blocked = True
                 self._stream.pause_reading()
                 self._wake()
-        if self._decoder.done:
+        if decoder.done:
             self.finished = True
             self._wake()
 
@@ -364,19 +390,22 @@ class H11Response:
         return self._decoder is not None and isinstance(self._conn.stream, TransportStream)
 
     async def relay(
-        self, deliver: Callable[[bytes], bool], drain: Callable[[], Awaitable[None]]
+        self,
+        deliver: Callable[[bytes, bytes | None], bool],
+        drain: Callable[[], Awaitable[None]],
     ) -> None:
         """Relay the rest of the body from the read callback (the hot path).
 
-        Each decoded piece goes to ``deliver`` straight from ``data_received``:
-        no task switch per event.  This task only sleeps until the body ends,
-        fails, or ``deliver`` reported back-pressure (then it awaits ``drain()``
-        and reading resumes).  Raises what :meth:`receive` would raise.
+        Each decoded piece goes to ``deliver(data, wire)`` straight from
+        ``data_received`` (``wire``: see :class:`_BodySink`): no task switch per
+        event.  This task only sleeps until the body ends, fails, or ``deliver``
+        reported back-pressure (then it awaits ``drain()`` and reading resumes).
+        Raises what :meth:`receive` would raise.
         """
         decoder = self._decoder
         stream = self._conn.stream
         assert decoder is not None and isinstance(stream, TransportStream)
-        sink = _BodySink(stream, decoder, deliver)
+        sink = _BodySink(stream, decoder, deliver, framed=True)
         pending = self._pending + stream.set_sink(sink)
         self._pending = b""
         try:

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from sidecar.chunked import ChunkedDecoder
+from sidecar.chunked import ChunkedDecoder, whole_chunks
 from sidecar.notices import classify
 from sidecar.sse import SSEScanner
 
@@ -96,3 +96,42 @@ def test_chunked_decoder_64k_reads(benchmark: Any) -> None:
 @pytest.mark.parametrize("text", [b" preempted 1", b" hello", b""])
 def test_classify(benchmark: Any, text: bytes) -> None:
     benchmark(classify, text)
+
+
+def _decode_reframe(chunks: list[bytes]) -> int:
+    """The relay before pass-through: decode each read, frame it again."""
+    d = ChunkedDecoder()
+    n = 0
+    for c in chunks:
+        out = d.feed(c)
+        if out:
+            n += len(b"%x\r\n%b\r\n" % (len(out), out))
+    return n
+
+
+def _pass_through(chunks: list[bytes]) -> int:
+    """The relay's pass-through: whole chunks are checked and forwarded as they are."""
+    d = ChunkedDecoder()
+    n = 0
+    for c in chunks:
+        if d.idle:
+            _payload, used = whole_chunks(c)
+            if used == len(c):
+                n += used
+                continue
+            d.feed(c[used:])
+            n += used
+        else:
+            d.feed(c)
+    return n
+
+
+CHUNK_WRITES = [b"%x\r\n%b\r\n" % (len(w), w) for w in WRITES]  # one chunk per read
+
+
+def test_chunked_decode_reframe_per_token(benchmark: Any) -> None:
+    assert benchmark(_decode_reframe, CHUNK_WRITES) == sum(map(len, CHUNK_WRITES))
+
+
+def test_chunked_pass_through_per_token(benchmark: Any) -> None:
+    assert benchmark(_pass_through, CHUNK_WRITES) == sum(map(len, CHUNK_WRITES))

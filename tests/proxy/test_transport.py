@@ -71,29 +71,46 @@ async def test_reading_pauses_when_nobody_reads() -> None:
     await b.aclose()
 
 
-async def test_sink_back_pressure_keeps_every_byte_in_order() -> None:
-    """A chunked body relayed by the sink to a downstream that reads slowly."""
+@pytest.mark.parametrize("framed", [False, True])
+async def test_sink_back_pressure_keeps_every_byte_in_order(framed: bool) -> None:
+    """A chunked body relayed by the sink to a downstream that reads slowly.
+
+    ``framed``: the pass-through path, where the downstream gets the upstream's
+    whole chunks as they are and the rest re-framed; decoded, it is the same body.
+    """
     up_srv, up = await _pair()  # upstream server side writes, `up` is the sidecar's end
     down, client = await _pair()  # sidecar writes to `down`, `client` reads slowly
     pieces = [b"data: %d %s\n\n" % (i, b"z" * 2000) for i in range(3000)]
     body = b"".join(b"%x\r\n%b\r\n" % (len(p), p) for p in pieces) + b"0\r\n\r\n"
     blocked = 0
+    passed_through = 0
 
-    def deliver(data: bytes) -> bool:
-        down.write(data)
+    def deliver(data: bytes, wire: bytes | None = None) -> bool:
+        nonlocal passed_through
+        if framed:
+            if wire is not None:
+                passed_through += 1
+            down.write(wire if wire is not None else b"%x\r\n%b\r\n" % (len(data), data))
+        else:
+            down.write(data)
         return down.write_paused
 
-    sink = _BodySink(up, ChunkedDecoder(), deliver)
+    sink = _BodySink(up, ChunkedDecoder(), deliver, framed=framed)
     assert up.set_sink(sink) == b""
     got = bytearray()
     total = sum(map(len, pieces))
+    decoded = bytearray()  # framed: what the client's chunked decoder made of `got`
+    client_decoder = ChunkedDecoder()
 
     async def upstream() -> None:
         await up_srv.send(body)
 
     async def slow_client() -> None:
-        while len(got) < total:
-            got.extend(await client.receive())
+        while len(decoded if framed else got) < total:
+            data = await client.receive()
+            got.extend(data)
+            if framed:
+                decoded.extend(client_decoder.feed(data))
             if len(got) < 1_000_000:
                 await anyio.sleep(0.001)
 
@@ -109,7 +126,13 @@ async def test_sink_back_pressure_keeps_every_byte_in_order() -> None:
                     await down.drain()
                     sink.unblock()
     up.set_sink(None)
-    assert bytes(got) == b"".join(pieces)
+    if framed:
+        # Framing may differ from upstream's where a read split a chunk.
+        assert bytes(decoded) == b"".join(pieces)
+        assert client_decoder.idle  # ends at a chunk boundary
+        assert passed_through > 0
+    else:
+        assert bytes(got) == b"".join(pieces)
     assert blocked > 0  # downstream really pushed back
     for s in (up_srv, up, down, client):
         await s.aclose()

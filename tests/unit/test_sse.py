@@ -139,3 +139,21 @@ def test_boundary_matches_prefix_rescan(case: tuple[bytes, list[bytes]]) -> None
         s.feed(c)
         seen += c
         assert s.at_boundary == scan([seen])[1]
+
+
+@pytest.mark.parametrize(
+    ("chunks", "comments", "at_boundary"),
+    [
+        ([b"data: x\n\n"], [], True),  # whole event, no comment: decided without a split
+        ([b"data: x\n\ndata: y\n\n"], [], True),
+        ([b": preempted\n\n"], [b" preempted"], True),
+        ([b"data: x\n\n: resumed\n\n"], [b" resumed"], True),
+        ([b"data: x\n", b"\n"], [], True),  # the pending partial line joins the next read
+        ([b":", b" c\n\n"], [b" c"], True),
+        ([b"data: x\n\ndata: y\n"], [], False),
+    ],
+)
+def test_feed_comments_table(chunks: list[bytes], comments: list[bytes], at_boundary: bool) -> None:
+    s = SSEScanner()
+    got = [text for c in chunks for text in s.feed_comments(c)]
+    assert (got, s.at_boundary) == (comments, at_boundary)
