@@ -13,7 +13,16 @@ own process); each proxy is its own process so its CPU time can be read from
 
 Sidecar variants: upstream client h11 or httpx, event loop uvloop or asyncio.
 
+``--pin`` (a methodology check, not the default): the fake upstream and this
+driver (the load generator) run on CPU 0, every proxy on CPU 1, so a proxy's
+queueing is not mixed with the load generator's on a 2-core machine.  Without
+it the scheduler places all three processes freely (the figures in
+docs/benchmarks.md say which they used).  ``--targets`` limits the run to some
+target names (``direct`` is always kept: the latency figures are relative to it);
+``--skip-throughput`` measures latency only.
+
 Usage: python benchmarks/sidecar_relay.py [--quick] [--rounds 3] [--json OUT]
+       [--pin] [--targets direct,nginx,sidecar[h11,asyncio]] [--skip-throughput]
 """
 
 from __future__ import annotations
@@ -238,7 +247,11 @@ def main() -> None:
     ap.add_argument("--json", type=Path)
     ap.add_argument("--skip-park", action="store_true")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--pin", action="store_true", help="load on CPU 0, proxies on CPU 1")
+    ap.add_argument("--targets", help="comma-separated target names to run")
+    ap.add_argument("--skip-throughput", action="store_true")
     args = ap.parse_args()
+    wanted = set(args.targets.split(",")) | {"direct"} if args.targets else None
     conns, events = (20, 500) if args.quick else (50, 2000)
     lat_streams, lat_secs = (50, 2.0) if args.quick else (200, 5.0)
     park_streams, park_secs = (200, 3.0) if args.quick else (2000, 8.0)
@@ -260,30 +273,38 @@ def main() -> None:
                 targets.append(Target("nginx", ngx[1], ngx[0].pid))
             variants = [("h11", True), ("h11", False), ("httpx", True), ("httpx", False)]
             for client, loop in variants:
-                if loop and not have_uvloop:
+                name = f"sidecar[{client},{'uvloop' if loop else 'asyncio'}]"
+                if (loop and not have_uvloop) or (wanted is not None and name not in wanted):
                     continue
                 sp = start_sidecar(up, client, loop)
                 procs.append(sp)
-                name = f"sidecar[{client},{'uvloop' if loop else 'asyncio'}]"
                 targets.append(Target(name, int(sp.url.rsplit(":", 1)[1]), sp.proc.pid))
+            if wanted is not None:
+                targets = [t for t in targets if t.name in wanted]
+            if args.pin:
+                # Load generator and fake upstream on CPU 0, the proxy under test on CPU 1.
+                os.sched_setaffinity(0, {0})
+                os.sched_setaffinity(up_proc.pid, {0})
+                for t in targets:
+                    if t.pid is not None:
+                        os.sched_setaffinity(t.pid, {1})
             # Rounds interleave the targets so a burst of noise on this shared
             # machine hits all of them; the report takes the median per metric.
             runs: dict[str, list[dict[str, dict[str, float]]]] = {t.name: [] for t in targets}
             for rnd in range(args.rounds):
                 for t in targets:
-                    r = {
-                        "throughput": bench_throughput(t, conns, events),
-                        "latency": bench_latency(t, lat_streams, 50.0, lat_secs),
-                    }
+                    r = {"latency": bench_latency(t, lat_streams, 50.0, lat_secs)}
+                    if not args.skip_throughput:
+                        r["throughput"] = bench_throughput(t, conns, events)
                     runs[t.name].append(r)
                     print(rnd, t.name, json.dumps(r), flush=True)
             for name, rs in runs.items():
                 results[name] = {
                     kind: {k: statistics.median(r[kind][k] for r in rs) for k in rs[0][kind]}
-                    for kind in ("throughput", "latency")
+                    for kind in rs[0]
                 }
-            if not args.skip_park:
-                default = next(t for t in targets if t.name == "sidecar[h11,asyncio]")
+            default = next((t for t in targets if t.name == "sidecar[h11,asyncio]"), None)
+            if not args.skip_park and default is not None:
                 results[default.name]["park"] = bench_park(default, park_streams, park_secs)
                 print(default.name, "park", json.dumps(results[default.name]["park"]), flush=True)
         finally:
@@ -299,6 +320,9 @@ def main() -> None:
         args.json.write_text(json.dumps(results, indent=2))
 
 
+_NO_THROUGHPUT = {"events_per_s": float("nan"), "cpu_us_per_event": float("nan")}
+
+
 def report(results: dict[str, dict[str, object]]) -> None:
     ngx = results.get("nginx", {}).get("throughput")
     direct = results["direct"]["latency"]
@@ -308,7 +332,7 @@ def report(results: dict[str, dict[str, object]]) -> None:
     )
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in results.items():
-        tp, lt = r["throughput"], r["latency"]
+        tp, lt = r.get("throughput", _NO_THROUGHPUT), r["latency"]
         assert isinstance(tp, dict) and isinstance(lt, dict) and isinstance(direct, dict)
         ratio = (
             f"{tp['cpu_us_per_event'] / ngx['cpu_us_per_event']:.2f}x"  # type: ignore[index]
