@@ -21,19 +21,6 @@ cancel scopes, task groups) uses it unchanged:
   Because a write never yields before it is done, two writers on the loop
   thread can never interleave inside one write; :meth:`write` is the same write
   for callers that cannot await (timer callbacks, sinks).
-* **Reads land in one reused buffer** on asyncio's selector loop: there the
-  stream is an ``asyncio.BufferedProtocol`` (:class:`BufferedTransportStream`)
-  that reads into a per-thread 256 KiB buffer (``get_buffer``) and copies out
-  only the bytes read (``buffer_updated``).  A plain ``Protocol`` gets
-  ``sock.recv(256 KiB)``, which allocates a 256 KiB object per read and shrinks
-  it; depending on glibc's malloc state that costs an ``mmap``, an ``mremap``
-  and a ``munmap`` (or ``brk`` calls) per read, which made a read 4x dearer in
-  a fresh process (tests/bench/test_sidecar_transport.py).  Sharing the buffer
-  is safe because the selector loop calls ``get_buffer``, ``recv_into`` and
-  ``buffer_updated`` back to back in one callback on the loop's thread.
-  uvloop already reads into its own buffer in C, and its buffered-protocol
-  path costs two Python calls per read instead of one, so on uvloop the plain
-  :class:`TransportStream` is used.
 * **A sink** (:meth:`set_sink`) takes the place of ``receive`` for a streamed
   response body: ``data_received`` calls ``sink.feed`` directly, so relaying an
   event costs no task switch at all.  The sink applies back-pressure with
@@ -49,7 +36,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import threading
 from collections import deque
 from collections.abc import Callable, Mapping
 from contextlib import suppress
@@ -59,22 +45,10 @@ import anyio
 import anyio.abc
 from anyio.abc import SocketAttribute
 
-__all__ = ["READ_HIGH_WATER", "BufferedTransportStream", "Sink", "TransportStream"]
+__all__ = ["READ_HIGH_WATER", "Sink", "TransportStream"]
 
 # Queued-but-unread bytes at which reading pauses, and resumes below a quarter.
 READ_HIGH_WATER = 256 * 1024
-# Largest single read (asyncio's own max_size for a plain Protocol).
-READ_BUFFER = 256 * 1024
-
-_local = threading.local()
-
-
-def _read_buffer() -> memoryview:
-    """This thread's read buffer, shared by its streams (see the module docstring)."""
-    buf: memoryview | None = getattr(_local, "buf", None)
-    if buf is None:
-        buf = _local.buf = memoryview(bytearray(READ_BUFFER))
-    return buf
 
 
 class Sink(Protocol):
@@ -281,31 +255,10 @@ class TransportStream(anyio.abc.ByteStream, asyncio.Protocol):
         }
 
 
-class BufferedTransportStream(TransportStream, asyncio.BufferedProtocol):
-    """:class:`TransportStream` reading into the shared per-thread buffer (asyncio)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._rbuf = _read_buffer()
-
-    def get_buffer(self, sizehint: int) -> memoryview:
-        return self._rbuf
-
-    def buffer_updated(self, nbytes: int) -> None:
-        self.data_received(self._rbuf[:nbytes].tobytes())
-
-
-def _stream_class(loop: asyncio.AbstractEventLoop) -> type[TransportStream]:
-    """Buffered on asyncio's selector loop only (uvloop: see the module docstring)."""
-    if isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop):
-        return BufferedTransportStream
-    return TransportStream
-
-
 async def connect(host: str, port: int) -> TransportStream:
     """Open a TCP connection as a :class:`TransportStream` (``OSError`` on failure)."""
     loop = asyncio.get_running_loop()
-    _, stream = await loop.create_connection(_stream_class(loop), host, port)
+    _, stream = await loop.create_connection(TransportStream, host, port)
     return stream
 
 
@@ -313,5 +266,5 @@ async def accepted(sock: socket.socket) -> TransportStream:
     """Wrap a freshly accepted socket."""
     loop = asyncio.get_running_loop()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    _, stream = await loop.connect_accepted_socket(_stream_class(loop), sock)
+    _, stream = await loop.connect_accepted_socket(TransportStream, sock)
     return stream
