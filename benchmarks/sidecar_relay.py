@@ -251,7 +251,9 @@ def main() -> None:
     ap.add_argument("--targets", help="comma-separated target names to run")
     ap.add_argument("--skip-throughput", action="store_true")
     args = ap.parse_args()
-    wanted = set(args.targets.split(",")) | {"direct"} if args.targets else None
+    # Commas inside brackets belong to a name: sidecar[h11,asyncio].
+    names = re.split(r",(?![^\[]*\])", args.targets) if args.targets else None
+    wanted = set(names) | {"direct"} if names else None
     conns, events = (20, 500) if args.quick else (50, 2000)
     lat_streams, lat_secs = (50, 2.0) if args.quick else (200, 5.0)
     park_streams, park_secs = (200, 3.0) if args.quick else (2000, 8.0)
