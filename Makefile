@@ -19,7 +19,7 @@ build: venv
 build-stock: venv
 	PYTHON=$(PY) ./build_llama.sh --stock >/dev/null
 
-# The patched llama-server (unified KV, 4 slots, parking on) with the default Gemma model,
+# The patched llama-server (unified KV, 4 slots, parking on) with the default chat model (SmolLM2),
 # the sidecar in front on 127.0.0.1:8081 and its metrics on :9464. UP_ARGS adds options.
 UP_ARGS ?=
 up: build

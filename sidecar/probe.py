@@ -37,6 +37,7 @@ __all__ = [
     "StreamSummary",
     "build_body",
     "endpoint_url",
+    "has_chat_template",
     "plot",
     "run_probe",
     "split_lines",
@@ -45,7 +46,18 @@ __all__ = [
 ]
 
 DEFAULT_PATH = "/v1/chat/completions"
+NATIVE_PATH = "/completion"
 INTERRUPTED = "interrupted"
+# What llama-server's /props reports as `chat_template` when the model has none and none was
+# named (common/chat.cpp, CHATML_TEMPLATE_SRC): its ChatML fallback, byte for byte.
+FALLBACK_CHATML = (
+    "{%- for message in messages -%}\n"
+    "  {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>\n' -}}\n"
+    "{%- endfor -%}\n"
+    "{%- if add_generation_prompt -%}\n"
+    "  {{- '<|im_start|>assistant\n' -}}\n"
+    "{%- endif -%}"
+)
 
 
 @dataclass(frozen=True)
@@ -101,6 +113,25 @@ def endpoint_url(url: str) -> str:
     parts = urlsplit(url if "://" in url else "http://" + url)
     path = parts.path if parts.path not in ("", "/") else DEFAULT_PATH
     return urlunsplit((parts.scheme, parts.netloc, path, parts.query, ""))
+
+
+def has_chat_template(url: str, api_key: str | None = None, timeout: float = 10.0) -> bool | None:
+    """Whether the served model has a chat template, from llama-server's ``GET /props``.
+
+    False when /props shows llama-server's ChatML fallback (the model has no template and
+    none was named with --chat-template); None when the server does not say (no /props).
+    """
+    parts = urlsplit(url if "://" in url else "http://" + url)
+    props_url = urlunsplit((parts.scheme, parts.netloc, "/props", "", ""))
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+    try:
+        r = httpx.get(props_url, headers=headers, timeout=timeout, trust_env=False)
+        template = r.json().get("chat_template") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError):
+        return None
+    if not isinstance(template, str):
+        return None
+    return template != FALLBACK_CHATML
 
 
 def build_body(url: str, opts: ProbeOptions) -> dict[str, Any]:

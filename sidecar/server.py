@@ -166,7 +166,7 @@ class Sidecar:
                     conns.start_soon(
                         self._accept_loop, mlistener, self._handle_metrics, metrics_scope
                     )
-                log.info(
+                log.debug(
                     "listening on %s metrics %s upstream %s",
                     self.url,
                     self.metrics_url,

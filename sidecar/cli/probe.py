@@ -6,19 +6,43 @@ import json
 import sys
 from pathlib import Path
 from typing import Annotated
+from urllib.parse import urlsplit
 
 import typer
 
 from sidecar.probe import (
+    DEFAULT_PATH,
     INTERRUPTED,
+    NATIVE_PATH,
     ProbeOptions,
     endpoint_url,
+    has_chat_template,
     plot,
     run_probe,
     summarize,
     table,
     to_json,
 )
+
+NO_TEMPLATE = (
+    "the served model has no chat template: on {chat} llama-server falls back to ChatML, "
+    "which a model not trained on it answers with template markers"
+)
+
+
+def _check_template(url: str, api_key: str | None) -> str:
+    """The URL to probe: /completion instead of the default chat endpoint when the model
+    has no chat template (said on stderr either way)."""
+    if not endpoint_url(url).endswith(DEFAULT_PATH) or has_chat_template(url, api_key) is not False:
+        return url
+    message = NO_TEMPLATE.format(chat=DEFAULT_PATH)
+    if urlsplit(url if "://" in url else "http://" + url).path in ("", "/"):  # a bare URL
+        native = url.rstrip("/") + NATIVE_PATH
+        hint = f"give {DEFAULT_PATH} explicitly to probe the chat endpoint"
+        typer.echo(f"probe: {message}; probing {native} instead ({hint})", err=True)
+        return native
+    typer.echo(f"probe: warning: {message}; probe {NATIVE_PATH} for plain text", err=True)
+    return url
 
 
 def probe(
@@ -74,6 +98,10 @@ def probe(
 ) -> None:
     """Run N concurrent streaming requests; print every SSE line with its arrival time.
 
+    A model without a chat template would answer the chat endpoint with template markers
+    (llama-server's ChatML fallback): given a bare URL, probe then uses /completion and
+    says so; given the chat endpoint explicitly, it warns and probes it anyway.
+
     Comment lines are shown too: `: preempted`, `: resumed`, `: recomputed`,
     `: preempt-keepalive` (the server parked the stream), `: keepalive` (the sidecar kept
     an idle stream alive) and `:` (a ping). The summary counts them per stream, with the
@@ -92,6 +120,7 @@ def probe(
         except ImportError:
             typer.echo("error: --plot needs matplotlib: pip install -e '.[plot]'", err=True)
             raise typer.Exit(2) from None
+    url = _check_template(url, api_key)
     opts = ProbeOptions(
         url=url, streams=streams, prompt=prompt, max_tokens=max_tokens, ignore_eos=ignore_eos,
         stagger=stagger, timeout=timeout, api_key=api_key, extra=body_extra,

@@ -12,12 +12,13 @@ from typing import Annotated
 import typer
 
 from sidecar.cli.build import build_binary
-from sidecar.cli.model import resolve_model, server_args_for
+from sidecar.cli.model import MODEL_HELP, describe_model, resolve_model, server_args_for
 from sidecar.paths import cache_dir
 from sidecar.supervise import Supervisor, UpConfig, server_supports
 
 
 def _ready_banner(cfg: UpConfig, preempt: bool) -> str:
+    model_name, template = describe_model(cfg.model, cfg.server_args)
     body = json.dumps(
         {"messages": [{"role": "user", "content": "Say hello"}], "stream": True,
          "max_tokens": 64}
@@ -40,8 +41,9 @@ def _ready_banner(cfg: UpConfig, preempt: bool) -> str:
             f"  API (through the sidecar): {cfg.sidecar_url}/v1/chat/completions",
             f"  llama-server (direct):     {cfg.server_url}   metrics: {cfg.server_url}/metrics",
             f"  sidecar metrics:           {cfg.metrics_url}",
-            f"  model: {cfg.model.name}   slots: {cfg.parallel}   context: {cfg.n_ctx} tokens "
-            f"(shared)   parking: {parking}",
+            f"  model: {model_name}",
+            f"  chat template: {template}",
+            f"  slots: {cfg.parallel}   context: {cfg.n_ctx} tokens (shared)   parking: {parking}",
             f"  llama-server log:          {cfg.server_log}",
             "try:",
             f"  {curl}",
@@ -62,10 +64,8 @@ def up(
         ),
     ] = None,
     model: Annotated[
-        Path | None,
-        typer.Option(
-            "--model", "-m", help="A local GGUF file instead of the default Gemma 3 270M."
-        ),
+        str | None,
+        typer.Option("--model", "-m", help=MODEL_HELP, show_default=False),
     ] = None,
     tiny: Annotated[
         bool, typer.Option(help="Use the generated tiny test model (random weights).")
@@ -133,7 +133,7 @@ def up(
     except ImportError as e:
         typer.echo(f"error: {e}; install the test extras: pip install -e '.[test]'", err=True)
         raise typer.Exit(1) from None
-    except (FileNotFoundError, RuntimeError, subprocess.CalledProcessError, OSError) as e:
+    except (ValueError, RuntimeError, subprocess.CalledProcessError, OSError) as e:
         typer.echo(f"error: {e}", err=True)
         raise typer.Exit(1) from None
     except KeyboardInterrupt:  # Ctrl-C during the build or the model download
