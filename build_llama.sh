@@ -196,27 +196,76 @@ done
 rm -rf "$tree"; mv "$tree.new" "$tree"
 
 # ---- configure and build ----------------------------------------------------------------------
+# The compiler's output goes to the log (kept in the cache); the terminal gets one progress
+# line: the step, make's percentage and the elapsed time (rewritten in place on a terminal,
+# a new line every 25% elsewhere). On failure the first errors and the log's tail are shown.
 build="$work/build"
+log="$work/build.log"
 say "configuring ($variant$([ "$stock" = 1 ] && echo ', stock'))"
 cmake -S "$tree" -B "$build" "${cmake_flags[@]}" >"$work/configure.log" 2>&1 \
     || { tail -30 "$work/configure.log" >&2; die "cmake configure failed (log: $work/configure.log)" \
          "install the missing dependency named above$([ "$cuda" = 1 ] && echo ' (CUDA toolkit for --cuda)')"; }
-say "building llama-server with $jobs jobs (first build takes minutes; later ones reuse ccache)"
-export CCACHE_BASEDIR=$tree
-set +o pipefail
-cmake --build "$build" --target llama-server -j "$jobs" 2>&1 | tee "$work/build.log" \
-    | { [ "$quiet" = 1 ] && cat >/dev/null || grep --line-buffered -E '^\[ *[0-9]+%\]|error' || true; } >&2
-status=${PIPESTATUS[0]}
-set -o pipefail
+# ccache keys on the compiler's command line. Both trees (patched-*, stock-*) and their build
+# directories lie under $cache/work, at the same depth; with the base dir there, every path
+# becomes relative (../../src/...) and identical between them, so the stock build reuses
+# each object whose sources the patches do not touch. (A base dir at the source tree alone
+# left the -I of generated headers in the build directory absolute, and so different.)
+export CCACHE_BASEDIR=$cache/work
+export CCACHE_STATSLOG="$work/ccache-stats.log"
+rm -f "$CCACHE_STATSLOG"
+elapsed() { local s=$((SECONDS - $1)); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
+progress() {  # runs in the background while the compiler runs; reads the log
+    local t0=$1 pct last=-1 tty=0
+    if [ -t 2 ]; then tty=1; fi
+    while sleep 1; do
+        pct=$(grep -oE '^\[ *[0-9]+%\]' "$log" 2>/dev/null | tail -1 | tr -dc '0-9')
+        pct=${pct:-0}
+        if [ "$tty" = 1 ]; then
+            printf '\r\033[1m[build_llama]\033[0m compiling %s llama-server: %3d%%  %s elapsed ' \
+                "$kind" "$pct" "$(elapsed "$t0")" >&2
+        elif [ $((pct / 25)) != "$last" ]; then
+            last=$((pct / 25))
+            say "compiling $kind llama-server: $pct%  $(elapsed "$t0") elapsed"
+        fi
+    done
+}
+say "compiling $kind llama-server with $jobs jobs (full log: $log)"
+t_build=$SECONDS
+monitor=""
+if [ "$quiet" = 0 ]; then
+    progress "$t_build" & monitor=$!
+    trap 'kill "$monitor" 2>/dev/null || true' EXIT
+fi
+status=0
+cmake --build "$build" --target llama-server -j "$jobs" >"$log" 2>&1 || status=$?
+if [ -n "$monitor" ]; then
+    kill "$monitor" 2>/dev/null || true
+    wait "$monitor" 2>/dev/null || true
+    trap - EXIT
+    if [ -t 2 ]; then printf '\n' >&2; fi
+fi
 if [ "$status" != 0 ] || [ ! -x "$build/bin/llama-server" ]; then
-    grep -B2 -A8 "error" "$work/build.log" | head -60 >&2
-    die "build failed (log: $work/build.log)" \
+    if grep -qE 'error|Error' "$log"; then
+        echo "---- first errors ----" >&2
+        grep -m 40 -B2 -A6 -E 'error' "$log" | head -60 >&2
+    fi
+    echo "---- last lines of $log ----" >&2
+    tail -25 "$log" >&2
+    die "build failed after $(elapsed "$t_build") (full log: $log)" \
         "read the first error above; a patch that compiles on its own tree may need a rebase"
 fi
+hits=$(grep -cE '^(direct|preprocessed)_cache_hit' "$CCACHE_STATSLOG" 2>/dev/null || true)
+misses=$(grep -cE '^cache_miss' "$CCACHE_STATSLOG" 2>/dev/null || true)
+reuse=""
+if [ -f "$CCACHE_STATSLOG" ]; then
+    reuse=", ccache reused ${hits:-0} of $(( ${hits:-0} + ${misses:-0} )) compiles"
+fi
+say "compiled in $(elapsed "$t_build")$reuse"
 
 mkdir -p "$out_dir"
 cp "$build/bin/llama-server" "$binary.tmp" && mv "$binary.tmp" "$binary"
 { echo "source: $src_id"; echo "variant: $variant stock=$stock"; printf 'patch: %s\n' "${series_files[@]##*/}"; } > "$out_dir/BUILD-INFO"
+cp "$log" "$out_dir/build.log"
 say "done: $binary"
 echo "$binary"
 exit 0

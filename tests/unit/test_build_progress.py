@@ -1,0 +1,120 @@
+"""build_llama.sh on a small stand-in for llama.cpp (`--src`): one progress line instead of
+the compiler's output, the full log kept in the cache, the errors and the log's tail on
+failure, and a stock build that reuses (ccache) every object the patches do not touch,
+including objects compiled with an include directory inside the build tree."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.skipif(
+    not (shutil.which("cmake") and shutil.which("cc") and shutil.which("ccache")),
+    reason="needs cmake, a C compiler and ccache (apt-get install cmake build-essential ccache)",
+)
+
+CMAKELISTS = """\
+cmake_minimum_required(VERSION 3.14)
+project(standin C)
+option(GGML_CCACHE "" OFF)
+if (GGML_CCACHE)
+    set(CMAKE_C_COMPILER_LAUNCHER ccache)
+endif()
+# A generated header in the build tree, as llama.cpp has (its -I is an absolute build path).
+configure_file(gen.h.in ${CMAKE_CURRENT_BINARY_DIR}/gen/gen.h)
+add_library(base STATIC a.c b.c c.c)
+target_include_directories(base PRIVATE ${CMAKE_CURRENT_BINARY_DIR}/gen)
+add_executable(llama-server tools/server/server-context.cpp.c)
+target_link_libraries(llama-server base)
+set_target_properties(llama-server PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+"""
+SERVER = "int a(void); int b(void); int c(void);\nint main(void) { return a() + b() + c(); }\n"
+PATCH = """\
+--- a/tools/server/server-context.cpp.c
++++ b/tools/server/server-context.cpp.c
+@@ -1,2 +1,2 @@
+ int a(void); int b(void); int c(void);
+-int main(void) { return a() + b() + c(); }
++int main(void) { return a() + b() + c() - 6; }
+"""
+
+
+def standin_tree(root: Path, server: str = SERVER) -> Path:
+    src = root / "llama.cpp"
+    (src / "tools/server").mkdir(parents=True)
+    (src / "CMakeLists.txt").write_text(CMAKELISTS)
+    (src / "gen.h.in").write_text("#define GEN 1\n")
+    for name in "abc":
+        (src / f"{name}.c").write_text(f'#include "gen.h"\nint {name}(void) {{ return GEN; }}\n')
+    (src / "tools/server/server-context.cpp").write_text("// marks a llama.cpp tree\n")
+    (src / "tools/server/server-context.cpp.c").write_text(server)
+    return src
+
+
+def checkout(root: Path) -> Path:
+    co = root / "checkout"
+    (co / "server_patch").mkdir(parents=True)
+    shutil.copy2(REPO / "build_llama.sh", co)
+    shutil.copy2(REPO / "server_patch/upstream.env", co / "server_patch")
+    (co / "server_patch/series").write_text("0001-standin.patch\n")
+    (co / "server_patch/0001-standin.patch").write_text(PATCH)
+    return co
+
+
+def build(co: Path, cache: Path, src: Path, *flags: str) -> subprocess.CompletedProcess[str]:
+    env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": str(cache.parent),
+           "LLAMA_SIDECAR_CACHE": str(cache)}  # fmt: skip
+    return subprocess.run([str(co / "build_llama.sh"), "--src", str(src), "--jobs", "2", *flags],
+                          capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+
+
+def reused(stderr: str) -> tuple[int, int]:
+    m = re.search(r"ccache reused (\d+) of (\d+) compiles", stderr)
+    assert m, stderr
+    return int(m.group(1)), int(m.group(2))
+
+
+def test_one_progress_line_and_the_full_log_in_the_cache(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    proc = build(checkout(tmp_path), cache, standin_tree(tmp_path))
+    assert proc.returncode == 0, proc.stderr
+    binary = Path(proc.stdout.strip())
+    assert binary.is_file() and binary.parent.parent == cache / "bin"
+    assert "Building C object" not in proc.stderr  # no compiler lines on the terminal
+    assert re.search(r"compiled in \dm\d\ds", proc.stderr), proc.stderr
+    assert "Building C object" in (binary.parent / "build.log").read_text()
+    logs = list((cache / "work").glob("*/build.log"))
+    assert len(logs) == 1 and "Linking C executable bin/llama-server" in logs[0].read_text()
+
+
+def test_failure_shows_the_error_and_the_log_tail(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    src = standin_tree(tmp_path, SERVER.replace("return", "retrun"))
+    proc = build(checkout(tmp_path), cache, src, "--stock")
+    assert proc.returncode == 1
+    assert proc.stdout == ""
+    assert "---- first errors ----" in proc.stderr
+    assert "retrun" in proc.stderr  # the compiler's own message, with the offending line
+    assert "---- last lines of" in proc.stderr
+    m = re.search(r"full log: (\S+)\)", proc.stderr)
+    assert m and "retrun" in Path(m.group(1)).read_text()
+
+
+def test_stock_after_patched_reuses_every_untouched_object(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    co, src = checkout(tmp_path), standin_tree(tmp_path)
+    patched = build(co, cache, src)
+    assert patched.returncode == 0, patched.stderr
+    assert reused(patched.stderr) == (0, 4)
+    stock = build(co, cache, src, "--stock")
+    assert stock.returncode == 0, stock.stderr
+    # a.c, b.c and c.c (with -I into the build tree) are reused; only the patched file is not.
+    assert reused(stock.stderr) == (3, 4)
+    assert subprocess.run([stock.stdout.strip()]).returncode == 3
+    assert subprocess.run([patched.stdout.strip()]).returncode == 3 - 6 + 256
