@@ -121,16 +121,19 @@ class NamedModel:
 MODELS: dict[str, NamedModel] = {
     m.name: m
     for m in (
-        NamedModel("smollm2", "SmolLM2-135M-Instruct Q4_1, a chat model (98 MB)", smollm2_model),
-        NamedModel("gemma", "Gemma 3 270M Q4_K_M, a base model (250 MB)", gemma_model,
+        NamedModel("smollm2", "SmolLM2-135M-Instruct Q4_1, a chat model, 98 MB", smollm2_model),
+        NamedModel("gemma", "Gemma 3 270M Q4_K_M, a base model, 250 MB", gemma_model,
                    GEMMA_SERVER_ARGS),
     )
 }  # fmt: skip
 DEFAULT_MODEL = "smollm2"
 MODEL_HELP = (
-    "A named model ("
-    + ", ".join(f"{m.name}: {m.summary}" for m in MODELS.values())
-    + f"; default {DEFAULT_MODEL}) or the path of a GGUF file."
+    "A named model, "
+    + "; ".join(
+        f"{m.name}{' (default)' if m.name == DEFAULT_MODEL else ''}: {m.summary}"
+        for m in MODELS.values()
+    )
+    + "; or the path of a GGUF file."
 )
 
 

@@ -91,6 +91,6 @@ def test_up_help_lists_the_named_models() -> None:
     assert result.exit_code == 0, result.output
     for name in MODELS:
         assert name in result.output
-    assert "default smollm2" in result.output
+    assert "smollm2 (default)" in result.output
     result = CliRunner().invoke(app, ["model", "--help"], terminal_width=300)
     assert "smollm2" in result.output and "gemma" in result.output
