@@ -86,11 +86,11 @@ from sidecar.errors import (
 )
 from sidecar.headers import (
     REQUEST_DROP,
-    RESPONSE_DROP,
     Headers,
     filter_headers,
     get_header,
     is_event_stream,
+    response_headers,
     set_header,
 )
 from sidecar.keepalive import KeepalivePolicy, Reason
@@ -442,7 +442,7 @@ class Exchange:
 
     async def _send_head(self, head: ResponseHead) -> None:
         """Send the response head downstream (caller holds the lock)."""
-        headers = filter_headers(head.headers, RESPONSE_DROP)
+        headers = response_headers(head.headers)
         sse = is_event_stream(headers)
         if sse:
             headers = set_header(headers, b"X-Accel-Buffering", b"no")
