@@ -285,7 +285,12 @@ class Exchange:
             self.keep_alive = False
             if not self.started and await answer_error(self.client, exc.status_hint, str(exc)):
                 self.rec.status = exc.status_hint
-        except BaseException:
+        except SidecarError as exc:
+            # Our own failure (the connection loop logs it and closes).
+            self.rec.outcome = exc.kind
+            self.keep_alive = False
+            raise
+        except anyio.get_cancelled_exc_class():
             # Cancelled from outside (drain timeout, stop): not an "ok" in the log.
             if self.rec.outcome == "ok":
                 self.rec.outcome = "cancelled"
@@ -467,7 +472,8 @@ class Exchange:
             lead=KEEPALIVE_LEAD,
         )
         self.metrics.streams_active.inc()
-        self._arm_keepalive(0.0)
+        if self.client.body_extensible:
+            self._arm_keepalive(0.0)
 
     async def _pump(self, resp: UpstreamResponse) -> None:
         client = self.client
@@ -563,8 +569,21 @@ class Exchange:
         thousands of parked streams then cost one heap entry each, and a due
         keepalive is written straight from the callback, so loop lag is all
         that stands between the deadline and the write.
+
+        Nothing escapes a timer callback (the loop would only log it, and the
+        keepalives would stop unseen): a failure ends the exchange instead.
         """
         self._ka_timer = None
+        try:
+            self._keepalive_tick()
+        except Exception as exc:
+            self._ka_stopped = True
+            self._error = SidecarError(f"keepalive failed: {exc!r}")
+            self._error.__cause__ = exc
+            if self._tg is not None:
+                self._tg.cancel_scope.cancel()
+
+    def _keepalive_tick(self) -> None:
         policy = self.policy
         if policy is None or self.finished or self._ka_stopped:
             return
