@@ -38,8 +38,9 @@ from sidecar.transport import TransportStream
 __all__ = ["READ_SIZE", "H11Stream"]
 
 READ_SIZE = 64 * 1024
-# Pipelined bytes buffered while a response is streaming; beyond this we stop
-# reading (and stop watching for disconnects) rather than buffer without bound.
+# Pipelined bytes buffered while a response is streaming; beyond this they are
+# read and dropped (and the connection closes after the response), so that a
+# disconnect is still seen, in bounded memory.
 MAX_PIPELINED = 64 * 1024
 _CHUNKED_HEAD = b"\r\ntransfer-encoding: chunked\r\n"
 
@@ -51,6 +52,7 @@ class H11Stream:
         "_request_method",
         "bytes_in_cycle",
         "conn",
+        "discarding",
         "eof",
         "framing_out",
         "stream",
@@ -67,6 +69,7 @@ class H11Stream:
         self._max_incomplete = max_incomplete_event_size
         self.conn = h11.Connection(role, max_incomplete_event_size=max_incomplete_event_size)
         self.eof = False
+        self.discarding = False  # pipelined input overflowed and is dropped (see wait_for_eof)
         self.bytes_in_cycle = 0
         self._chunked_out = False  # our current message body is chunked (see send)
         # How our current response body is framed: "chunked", "length" (a
@@ -244,17 +247,32 @@ class H11Stream:
             raise
 
     async def wait_for_eof(self) -> None:
-        """Return when the peer closes; pipelined bytes go to h11's buffer."""
-        while len(self.conn.trailing_data[0]) <= MAX_PIPELINED:
+        """Return when the peer closes.
+
+        Pipelined bytes go to h11's buffer for the next cycle, up to
+        ``MAX_PIPELINED``.  Past that they are read and dropped, and the
+        connection is no longer :attr:`reusable` (the requests in them are
+        lost, so it must close after this response): reading never stops, so
+        end of stream is seen whatever the client sends, in bounded memory.
+        """
+        while True:
             data = await self._receive()
             if not data:
                 return
+            if self.discarding:
+                continue
+            if len(self.conn.trailing_data[0]) + len(data) > MAX_PIPELINED:
+                self.discarding = True
+                continue
             self.conn.receive_data(data)
-        await anyio.sleep_forever()
 
     @property
     def reusable(self) -> bool:
-        return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
+        return (
+            self.conn.our_state is h11.DONE
+            and self.conn.their_state is h11.DONE
+            and not self.discarding
+        )
 
     def start_next_cycle(self) -> None:
         self.conn.start_next_cycle()
