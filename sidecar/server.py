@@ -30,7 +30,8 @@ Programmatic API
     thread; yields the started :class:`Sidecar` (use ``.url``).  For tests and
     for tools that are not async.
 ``start_subprocess(config, env=None)``
-    Starts the ``proxy`` command in a child Python with the config as flags, waits for
+    Starts the ``proxy`` command in a child Python with every option of the config as a
+    flag (:func:`~sidecar.config.config_argv`), waits for
     its ready line and returns a :class:`SidecarProcess` (``.url``,
     ``.metrics_url``, ``.terminate()`` sends SIGTERM and waits).
 ``ephemeral_config(upstream, **overrides)``
@@ -65,7 +66,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from sidecar.adapter import H11Stream
-from sidecar.config import Config, format_hostport
+from sidecar.config import Config, config_argv, format_hostport
 from sidecar.errors import ClientDisconnected, ClientError
 from sidecar.headers import get_header
 from sidecar.metrics import Metrics, status_class
@@ -500,31 +501,11 @@ class SidecarProcess:
         return code
 
 
-def config_args(config: Config) -> list[str]:
-    """The ``llama-sidecar proxy`` flags that reproduce ``config``."""
-    args = [
-        "--upstream", config.upstream,
-        "--listen", config.listen,
-        "--metrics-listen", config.metrics_listen or "",
-        "--park-keepalive", str(config.park_keepalive),
-        "--idle-keepalive", str(config.idle_keepalive),
-        "--drain-timeout", str(config.drain_timeout),
-        "--max-body", str(config.max_body),
-        "--header-timeout", str(config.header_timeout),
-        "--upstream-client", config.upstream_client,
-    ]  # fmt: skip
-    if config.early_open_after is not None:
-        args += ["--early-open-after", str(config.early_open_after)]
-    if config.api_key:
-        args += ["--api-key", config.api_key]
-    return args
-
-
 def start_subprocess(
     config: Config, env: Mapping[str, str] | None = None, timeout: float = 20.0
 ) -> SidecarProcess:
     """Start the sidecar CLI in a child process and wait until it listens."""
-    cmd = [sys.executable, "-c", _SUBPROCESS_MAIN, *config_args(config)]
+    cmd = [sys.executable, "-c", _SUBPROCESS_MAIN, *config_argv(config)]
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
