@@ -38,14 +38,25 @@ from sidecar.transport import TransportStream
 __all__ = ["READ_SIZE", "H11Stream"]
 
 READ_SIZE = 64 * 1024
-# Pipelined bytes buffered while a response is streaming; beyond this we stop
-# reading (and stop watching for disconnects) rather than buffer without bound.
+# Pipelined bytes buffered while a response is streaming; beyond this they are
+# read and dropped (and the connection closes after the response), so that a
+# disconnect is still seen, in bounded memory.
 MAX_PIPELINED = 64 * 1024
 _CHUNKED_HEAD = b"\r\ntransfer-encoding: chunked\r\n"
 
 
 class H11Stream:
-    __slots__ = ("_chunked_out", "_max_incomplete", "bytes_in_cycle", "conn", "eof", "stream")
+    __slots__ = (
+        "_chunked_out",
+        "_max_incomplete",
+        "_request_method",
+        "bytes_in_cycle",
+        "conn",
+        "discarding",
+        "eof",
+        "framing_out",
+        "stream",
+    )
 
     def __init__(
         self,
@@ -58,8 +69,14 @@ class H11Stream:
         self._max_incomplete = max_incomplete_event_size
         self.conn = h11.Connection(role, max_incomplete_event_size=max_incomplete_event_size)
         self.eof = False
+        self.discarding = False  # pipelined input overflowed and is dropped (see wait_for_eof)
         self.bytes_in_cycle = 0
         self._chunked_out = False  # our current message body is chunked (see send)
+        # How our current response body is framed: "chunked", "length" (a
+        # Content-Length), "close" (HTTP/1.0: until the connection closes) or
+        # "none" (HEAD, 204, 304); see body_extensible.
+        self.framing_out = "none"
+        self._request_method = b""  # of the request being answered (server role)
 
     async def _receive(self) -> bytes:
         try:
@@ -84,6 +101,8 @@ class H11Stream:
             if event is h11.PAUSED:
                 raise h11.LocalProtocolError("next_event() called while paused")
             assert isinstance(event, h11.Event)
+            if type(event) is h11.Request:
+                self._request_method = event.method
             return event
 
     def buffered_event(self) -> h11.Event | None:
@@ -131,13 +150,36 @@ class H11Stream:
     async def send(self, event: h11.Event) -> None:
         data = self.conn.send(event)
         if type(event) is h11.Response:
-            # h11 writes this field exactly when it frames the body as chunked
-            # (our header filter drops any Transfer-Encoding from upstream).
-            self._chunked_out = data is not None and _CHUNKED_HEAD in data.lower()
+            self.framing_out = self._framing(event, data)
+            self._chunked_out = self.framing_out == "chunked"
         elif type(event) is h11.EndOfMessage:
             self._chunked_out = False
+            self.framing_out = "none"
         if data:
             await self._write(data)
+
+    def _framing(self, event: h11.Response, head: bytes | None) -> str:
+        if self._request_method == b"HEAD" or event.status_code in (204, 304):
+            # RFC 9112 section 6.3: no body, whatever the head says (h11 writes
+            # a HEAD response's framing fields as if it were a GET's).
+            return "none"
+        head = (head or b"").lower()
+        # h11 writes these fields exactly as it frames the body (our header
+        # filter drops any Transfer-Encoding from upstream).
+        if _CHUNKED_HEAD in head:
+            return "chunked"
+        if b"\r\ncontent-length:" in head:
+            return "length"
+        return "close"
+
+    @property
+    def body_extensible(self) -> bool:
+        """True if bytes may be added to our response body (keepalive comments).
+
+        Only a chunked or a close-delimited body: a ``Content-Length`` counts
+        the upstream's bytes exactly, and a HEAD, 204 or 304 response has none.
+        """
+        return self.framing_out in ("chunked", "close")
 
     async def send_data(self, data: bytes) -> None:
         """Send a body chunk (h11 adds the chunked framing if it chose it)."""
@@ -205,17 +247,32 @@ class H11Stream:
             raise
 
     async def wait_for_eof(self) -> None:
-        """Return when the peer closes; pipelined bytes go to h11's buffer."""
-        while len(self.conn.trailing_data[0]) <= MAX_PIPELINED:
+        """Return when the peer closes.
+
+        Pipelined bytes go to h11's buffer for the next cycle, up to
+        ``MAX_PIPELINED``.  Past that they are read and dropped, and the
+        connection is no longer :attr:`reusable` (the requests in them are
+        lost, so it must close after this response): reading never stops, so
+        end of stream is seen whatever the client sends, in bounded memory.
+        """
+        while True:
             data = await self._receive()
             if not data:
                 return
+            if self.discarding:
+                continue
+            if len(self.conn.trailing_data[0]) + len(data) > MAX_PIPELINED:
+                self.discarding = True
+                continue
             self.conn.receive_data(data)
-        await anyio.sleep_forever()
 
     @property
     def reusable(self) -> bool:
-        return self.conn.our_state is h11.DONE and self.conn.their_state is h11.DONE
+        return (
+            self.conn.our_state is h11.DONE
+            and self.conn.their_state is h11.DONE
+            and not self.discarding
+        )
 
     def start_next_cycle(self) -> None:
         self.conn.start_next_cycle()

@@ -1,25 +1,49 @@
-"""Sidecar configuration: one frozen dataclass, filled from flags or ``LLAMA_SIDECAR_*``.
+"""Sidecar configuration: one frozen dataclass whose fields are the table of options.
 
-Every field has an environment variable named ``LLAMA_SIDECAR_`` + the field
-name in upper case (``LLAMA_SIDECAR_PARK_KEEPALIVE=0.5``).  :meth:`Config.from_env`
-reads them; the CLI passes the same names to typer so a flag beats the
-environment.  Addresses are ``HOST:PORT`` (``[::1]:8081`` for IPv6); both
-listeners bind loopback by default.
+Every field of :class:`Config` is an option, described once, where it is declared:
+its type, its default and its help text (``field(metadata={"help": ...})``).
+:data:`OPTIONS` is derived from those fields, and everything else is derived
+from :data:`OPTIONS`:
+
+* the flag ``--`` + the name with dashes (``--park-keepalive``),
+* the environment variable ``LLAMA_SIDECAR_`` + the name in upper case
+  (``LLAMA_SIDECAR_PARK_KEEPALIVE=0.5``), read by :meth:`Config.from_env` and
+  by the ``proxy`` command (a flag beats the environment),
+* the ``proxy`` command's parameters and ``--help`` (:mod:`sidecar.cli.proxy`),
+* the command line that reproduces a config in a child process
+  (:func:`config_argv`, used by ``start_subprocess`` and by ``up``).
+
+A flag and its variable take the same text and are parsed by the same
+:meth:`Option.parse`; for an option that may be unset, the empty string means
+unset (``--metrics-listen ""`` disables the metrics listener).  Addresses are
+``HOST:PORT`` (``[::1]:8081`` for IPv6); both listeners bind loopback by default.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+import types
+import typing
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-__all__ = ["ENV_PREFIX", "Config", "parse_hostport", "parse_upstream"]
+__all__ = [
+    "ENV_PREFIX",
+    "OPTIONS",
+    "Config",
+    "Option",
+    "config_argv",
+    "environ_values",
+    "parse_hostport",
+    "parse_upstream",
+]
 
 ENV_PREFIX = "LLAMA_SIDECAR_"
 UpstreamClientName = Literal["h11", "httpx"]
+MiB = 1024 * 1024
 
 
 def parse_hostport(value: str, *, default_host: str = "127.0.0.1") -> tuple[str, int]:
@@ -48,37 +72,69 @@ def parse_upstream(url: str) -> tuple[str, int, str]:
     return parts.hostname, parts.port or 80, parts.path.rstrip("/")
 
 
+def _doc(metavar: str, help: str) -> dict[str, str]:
+    """A row's description: the flag's metavar and its ``--help`` text."""
+    return {"metavar": metavar, "help": help}
+
+
 @dataclass(frozen=True, slots=True)
 class Config:
-    upstream: str = "http://127.0.0.1:8080"
-    listen: str = "127.0.0.1:8081"
-    metrics_listen: str | None = "127.0.0.1:9464"
-    park_keepalive: float = 1.0
-    idle_keepalive: float = 10.0
-    early_open_after: float | None = None
-    drain_timeout: float = 30.0
-    api_key: str | None = None
-    max_body: int = 32 * 1024 * 1024
-    max_header_bytes: int = 32 * 1024
-    header_timeout: float = 10.0
-    body_timeout: float = 60.0
-    keepalive_timeout: float = 75.0
-    connect_timeout: float = 5.0
-    upstream_client: UpstreamClientName = "h11"
-    upstream_max_idle: int = 64
+    # fmt: off
+    upstream: str = field(default="http://127.0.0.1:8080", metadata=_doc(
+        "URL", "llama-server base URL (http://HOST:PORT; a path prefix is kept)."))
+    listen: str = field(default="127.0.0.1:8081", metadata=_doc(
+        "HOST:PORT", "Proxy listen address (port 0: any free port)."))
+    metrics_listen: str | None = field(default="127.0.0.1:9464", metadata=_doc(
+        "HOST:PORT", "Metrics listen address (/metrics, /healthz); empty to disable."))
+    park_keepalive: float = field(default=1.0, metadata=_doc(
+        "SECONDS", "Longest client silence while a prompt is parked."))
+    idle_keepalive: float = field(default=10.0, metadata=_doc(
+        "SECONDS", "Longest client silence on any other event stream."))
+    early_open_after: float | None = field(default=None, metadata=_doc(
+        "SECONDS", "Answer 200 text/event-stream to a streaming request if upstream is silent "
+        "this long (off by default: it turns a 4xx into a 200 plus an error event)."))
+    drain_timeout: float = field(default=30.0, metadata=_doc(
+        "SECONDS", "On SIGTERM, how long running streams may finish."))
+    api_key: str | None = field(default=None, metadata=_doc(
+        "KEY", "Require 'Authorization: Bearer KEY' (or X-Api-Key) before forwarding (401)."))
+    max_body: int = field(default=32 * MiB, metadata=_doc(
+        "BYTES", "Largest request body (413 above)."))
+    max_header_bytes: int = field(default=32 * 1024, metadata=_doc(
+        "BYTES", "Largest request head (431 above)."))
+    header_timeout: float = field(default=10.0, metadata=_doc(
+        "SECONDS", "Time a client has for its whole request head, and for its first byte on "
+        "a new connection (408)."))
+    body_timeout: float = field(default=60.0, metadata=_doc(
+        "SECONDS", "Longest wait for the next piece of a request body (408)."))
+    keepalive_timeout: float = field(default=75.0, metadata=_doc(
+        "SECONDS", "An idle keep-alive connection (proxy or metrics listener) is closed after "
+        "this long."))
+    connect_timeout: float = field(default=5.0, metadata=_doc(
+        "SECONDS", "Time to connect to upstream (504)."))
+    upstream_client: UpstreamClientName = field(default="h11", metadata=_doc(
+        "h11|httpx", "Upstream HTTP client."))
+    upstream_max_idle: int = field(default=64, metadata=_doc(
+        "N", "Idle upstream keep-alive connections kept in the pool."))
+    # fmt: on
 
     def __post_init__(self) -> None:
         parse_upstream(self.upstream)
         parse_hostport(self.listen)
         if self.metrics_listen:
             parse_hostport(self.metrics_listen)
-        for name in ("park_keepalive", "idle_keepalive", "header_timeout", "body_timeout"):
+        for name in (
+            "park_keepalive", "idle_keepalive", "header_timeout", "body_timeout",
+            "keepalive_timeout", "connect_timeout",
+        ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.early_open_after is not None and self.early_open_after <= 0:
             raise ValueError("early_open_after must be positive")
-        if self.drain_timeout < 0 or self.max_body < 0:
-            raise ValueError("drain_timeout and max_body must not be negative")
+        for name in ("drain_timeout", "max_body", "upstream_max_idle"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must not be negative")
+        if self.max_header_bytes <= 0:
+            raise ValueError("max_header_bytes must be positive")
         if self.upstream_client not in ("h11", "httpx"):
             raise ValueError("upstream_client must be 'h11' or 'httpx'")
 
@@ -100,25 +156,81 @@ class Config:
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Config:
         """Defaults, then ``LLAMA_SIDECAR_*`` variables, then ``overrides``."""
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for f in dataclasses.fields(cls):
-            raw = env.get(ENV_PREFIX + f.name.upper())
-            if raw is None:
-                continue
-            values[f.name] = _convert(f.name, str(f.type), raw)
+        return cls.from_text(environ_values(environ), **overrides)
+
+    @classmethod
+    def from_text(cls, raw: Mapping[str, str], **overrides: Any) -> Config:
+        """Defaults, then ``raw`` (option name -> flag text), then ``overrides``."""
+        values: dict[str, Any] = {name: OPTION_BY_NAME[name].parse(text) for name, text in
+                                  raw.items()}  # fmt: skip
         values.update(overrides)
         return cls(**values)
 
 
-def _convert(name: str, type_name: str, raw: str) -> Any:
-    if raw == "" and "None" in type_name:
-        return None
-    try:
-        if type_name.startswith("float"):
-            return float(raw)
-        if type_name.startswith("int"):
-            return int(raw)
-    except ValueError:
-        raise ValueError(f"{ENV_PREFIX}{name.upper()}: not a number: {raw!r}") from None
-    return raw
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One row of the table, derived from a :class:`Config` field."""
+
+    name: str
+    type: type  # str, int or float
+    optional: bool  # may be unset (None); the empty string unsets it
+    default: Any
+    help: str
+    metavar: str
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> str:
+        return ENV_PREFIX + self.name.upper()
+
+    def parse(self, raw: str) -> Any:
+        """Flag or environment text -> value (``ValueError`` names the variable)."""
+        if raw == "" and self.optional:
+            return None
+        try:
+            return self.type(raw)
+        except ValueError:
+            what = {int: "an integer", float: "a number"}.get(self.type, "valid")
+            raise ValueError(f"{self.flag} / {self.env}: not {what}: {raw!r}") from None
+
+    def format(self, value: Any) -> str:
+        """Value -> the text :meth:`parse` turns back into it."""
+        return "" if value is None else str(value)
+
+
+def _option(f: dataclasses.Field[Any], hint: Any) -> Option:
+    optional = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        optional, hint = True, args[0]
+    if typing.get_origin(hint) is Literal:
+        hint = str
+    assert hint in (str, int, float), f"Config.{f.name}: unsupported type {hint!r}"
+    return Option(f.name, hint, optional, f.default, f.metadata["help"], f.metadata["metavar"])
+
+
+_HINTS = typing.get_type_hints(Config)
+OPTIONS: tuple[Option, ...] = tuple(_option(f, _HINTS[f.name]) for f in dataclasses.fields(Config))
+OPTION_BY_NAME: dict[str, Option] = {o.name: o for o in OPTIONS}
+
+
+def environ_values(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The ``LLAMA_SIDECAR_*`` variables that name an option, by option name."""
+    env = os.environ if environ is None else environ
+    return {o.name: env[o.env] for o in OPTIONS if o.env in env}
+
+
+def config_argv(config: Config, names: Iterable[str] | None = None) -> list[str]:
+    """The ``llama-sidecar proxy`` flags that reproduce ``config`` (or just ``names``).
+
+    Every option is given by default, so that ``LLAMA_SIDECAR_*`` variables the
+    child inherits cannot change what the caller configured.
+    """
+    wanted = [OPTION_BY_NAME[n] for n in names] if names is not None else OPTIONS
+    argv: list[str] = []
+    for o in wanted:
+        argv += [o.flag, o.format(getattr(config, o.name))]
+    return argv

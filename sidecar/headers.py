@@ -28,6 +28,7 @@ __all__ = [
     "filter_headers",
     "get_header",
     "is_event_stream",
+    "response_headers",
 ]
 
 Headers = list[tuple[bytes, bytes]]
@@ -64,6 +65,21 @@ def filter_headers(
     items = list(headers)
     named = connection_tokens(items)
     return [(n, v) for n, v in items if (low := n.lower()) not in drop and low not in named]
+
+
+def response_headers(headers: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """The upstream response fields to relay downstream.
+
+    RFC 9112 section 6.3: with both ``Transfer-Encoding`` and ``Content-Length``
+    the transfer coding frames the body, and an intermediary "MUST first remove
+    the received Content-Length field" before forwarding: a length the body does
+    not have would desynchronise the client's connection.
+    """
+    items = list(headers)
+    drop = RESPONSE_DROP
+    if get_header(items, b"transfer-encoding") is not None:
+        drop = drop | {b"content-length"}
+    return filter_headers(items, drop)
 
 
 def get_header(headers: Iterable[tuple[bytes, bytes]], name: bytes) -> bytes | None:

@@ -61,6 +61,7 @@ import time
 from collections.abc import AsyncGenerator, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from http import HTTPStatus
 from typing import Any
 
 import anyio
@@ -85,11 +86,11 @@ from sidecar.errors import (
 )
 from sidecar.headers import (
     REQUEST_DROP,
-    RESPONSE_DROP,
     Headers,
     filter_headers,
     get_header,
     is_event_stream,
+    response_headers,
     set_header,
 )
 from sidecar.keepalive import KeepalivePolicy, Reason
@@ -98,7 +99,7 @@ from sidecar.notices import NoticeKind, ParkEnded, ParkStarted, ParkTracker, cla
 from sidecar.sse import SSEScanner
 from sidecar.upstream import H11Response, ResponseHead, UpstreamClient, UpstreamResponse
 
-__all__ = ["AccessRecord", "Context", "Exchange", "answer_error", "client_side"]
+__all__ = ["AccessRecord", "Context", "Exchange", "answer_error", "client_side", "reason"]
 
 access_log = logging.getLogger("sidecar.access")
 log = logging.getLogger("sidecar")
@@ -186,18 +187,32 @@ def _error_body(status: int, message: str) -> dict[str, Any]:
     return {"error": {"code": status, "message": message, "type": kind}}
 
 
-async def answer_error(client: H11Stream, status: int, message: str) -> bool:
+def reason(status: int) -> bytes:
+    """The standard reason phrase (RFC 9110 section 15), ``b""`` for an unknown code."""
+    try:
+        return HTTPStatus(status).phrase.encode("ascii")
+    except ValueError:
+        return b""
+
+
+async def answer_error(
+    client: H11Stream, status: int, message: str, headers: Headers | None = None
+) -> bool:
     """Send a JSON error response with ``Connection: close`` if nothing was sent yet."""
     if client.conn.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
         return False
     body = json.dumps(_error_body(status, message)).encode()
-    headers = [
+    head = [
         (b"Content-Type", b"application/json; charset=utf-8"),
         (b"Content-Length", str(len(body)).encode()),
         (b"Connection", b"close"),
     ]
+    if status == 401:
+        # RFC 9110 section 11.6.1: a 401 carries the challenge it wants answered.
+        head.append((b"WWW-Authenticate", b"Bearer"))
+    head += headers or []
     try:
-        await client.send(h11.Response(status_code=status, headers=headers))
+        await client.send(h11.Response(status_code=status, headers=head, reason=reason(status)))
         await client.send_data(body)
         await client.send(h11.EndOfMessage())
     except h11.LocalProtocolError:
@@ -270,6 +285,17 @@ class Exchange:
             self.keep_alive = False
             if not self.started and await answer_error(self.client, exc.status_hint, str(exc)):
                 self.rec.status = exc.status_hint
+        except SidecarError as exc:
+            # Our own failure (the connection loop logs it and closes).
+            self.rec.outcome = exc.kind
+            self.keep_alive = False
+            raise
+        except anyio.get_cancelled_exc_class():
+            # Cancelled from outside (drain timeout, stop): not an "ok" in the log.
+            if self.rec.outcome == "ok":
+                self.rec.outcome = "cancelled"
+            self.keep_alive = False
+            raise
         finally:
             self._stop_keepalive()
             self.ctx.active -= 1
@@ -421,7 +447,7 @@ class Exchange:
 
     async def _send_head(self, head: ResponseHead) -> None:
         """Send the response head downstream (caller holds the lock)."""
-        headers = filter_headers(head.headers, RESPONSE_DROP)
+        headers = response_headers(head.headers)
         sse = is_event_stream(headers)
         if sse:
             headers = set_header(headers, b"X-Accel-Buffering", b"no")
@@ -446,7 +472,8 @@ class Exchange:
             lead=KEEPALIVE_LEAD,
         )
         self.metrics.streams_active.inc()
-        self._arm_keepalive(0.0)
+        if self.client.body_extensible:
+            self._arm_keepalive(0.0)
 
     async def _pump(self, resp: UpstreamResponse) -> None:
         client = self.client
@@ -542,8 +569,21 @@ class Exchange:
         thousands of parked streams then cost one heap entry each, and a due
         keepalive is written straight from the callback, so loop lag is all
         that stands between the deadline and the write.
+
+        Nothing escapes a timer callback (the loop would only log it, and the
+        keepalives would stop unseen): a failure ends the exchange instead.
         """
         self._ka_timer = None
+        try:
+            self._keepalive_tick()
+        except Exception as exc:
+            self._ka_stopped = True
+            self._error = SidecarError(f"keepalive failed: {exc!r}")
+            self._error.__cause__ = exc
+            if self._tg is not None:
+                self._tg.cancel_scope.cancel()
+
+    def _keepalive_tick(self) -> None:
         policy = self.policy
         if policy is None or self.finished or self._ka_stopped:
             return

@@ -30,7 +30,8 @@ Programmatic API
     thread; yields the started :class:`Sidecar` (use ``.url``).  For tests and
     for tools that are not async.
 ``start_subprocess(config, env=None)``
-    Starts the ``proxy`` command in a child Python with the config as flags, waits for
+    Starts the ``proxy`` command in a child Python with every option of the config as a
+    flag (:func:`~sidecar.config.config_argv`), waits for
     its ready line and returns a :class:`SidecarProcess` (``.url``,
     ``.metrics_url``, ``.terminate()`` sends SIGTERM and waits).
 ``ephemeral_config(upstream, **overrides)``
@@ -65,10 +66,11 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from sidecar.adapter import H11Stream
-from sidecar.config import Config, format_hostport
+from sidecar.config import Config, config_argv, format_hostport
 from sidecar.errors import ClientDisconnected, ClientError
+from sidecar.headers import get_header
 from sidecar.metrics import Metrics, status_class
-from sidecar.relay import AccessRecord, Context, Exchange, answer_error, client_side
+from sidecar.relay import AccessRecord, Context, Exchange, answer_error, client_side, reason
 from sidecar.transport import TransportStream, accepted
 from sidecar.upstream import UpstreamClient, make_upstream
 
@@ -85,6 +87,8 @@ log = logging.getLogger("sidecar")
 access_log = logging.getLogger("sidecar.access")
 _SUBPROCESS_MAIN = "from sidecar.cli.proxy import main; main()"
 READY_RE = re.compile(r"listening on (http://\S+) metrics (\S+)")
+# The metrics listener expects no request bodies; a small one is read and dropped.
+METRICS_MAX_BODY = 64 * 1024
 
 
 def _use_uvloop() -> bool:
@@ -232,7 +236,26 @@ class Sidecar:
             except OSError:
                 client.close()
                 continue
-            self._conns.start_soon(handler, stream)
+            self._conns.start_soon(self._serve_connection, handler, stream)
+
+    async def _serve_connection(
+        self,
+        handler: Callable[[TransportStream], Coroutine[Any, Any, None]],
+        stream: TransportStream,
+    ) -> None:
+        """Run one connection; whatever goes wrong in it ends that connection only.
+
+        Every connection task runs in the listeners' task group, where one
+        escaping exception would cancel every other connection (and end the
+        process).  Cancellation still propagates: that is drain and stop.
+        """
+        try:
+            await handler(stream)
+        except Exception:
+            log.exception("connection failed; closing it")
+        finally:
+            with anyio.CancelScope(shield=True):
+                await stream.aclose()
 
     # ------------------------------------------------------------ proxy side
 
@@ -263,7 +286,16 @@ class Sidecar:
         finally:
             await client.aclose()
 
-    async def _read_head(self, client: H11Stream, first: bool) -> h11.Request | None:
+    async def _read_head(
+        self, client: H11Stream, first: bool, *, record: bool = True
+    ) -> h11.Request | None:
+        """The next request head, or None when the connection is to end.
+
+        Waits ``header_timeout`` for the first byte of a new connection and
+        ``keepalive_timeout`` on a kept-alive one, then ``header_timeout`` for
+        the whole head; malformed, oversized and late heads are answered here
+        (``record``: counted and logged as proxy requests).
+        """
         cfg = self.config
         scope = anyio.CancelScope()
         self._idle_scopes.add(scope)
@@ -306,45 +338,90 @@ class Sidecar:
             status, message, outcome = 431, "request header fields too large", "headers_too_large"
 
         await answer_error(client, status, message)
-        self.metrics.requests.labels("other", status_class(status)).inc()
-        rec = AccessRecord("-", "-", status=status, outcome=outcome)
-        access_log.info(rec.line())
+        if record:
+            self.metrics.requests.labels("other", status_class(status)).inc()
+            rec = AccessRecord("-", "-", status=status, outcome=outcome)
+            access_log.info(rec.line())
         return None
 
     # ---------------------------------------------------------- metrics side
 
     async def _handle_metrics(self, stream: TransportStream) -> None:
-        client = H11Stream(stream, h11.SERVER)
+        """``/metrics`` and ``/healthz``: GET or HEAD, keep-alive, the proxy's timeouts.
+
+        The connection loop is the proxy side's: ``keepalive_timeout`` for an
+        idle keep-alive connection (Prometheus scrapes every minute by default
+        and keeps its connection), ``header_timeout`` for a request head,
+        ``max_header_bytes`` for its size.  A request body is not expected:
+        one that is not complete within ``header_timeout`` or is larger than
+        ``METRICS_MAX_BODY`` ends the connection.
+        """
+        cfg = self.config
+        client = H11Stream(stream, h11.SERVER, max_incomplete_event_size=cfg.max_header_bytes)
         try:
+            first = True
             while True:
-                with anyio.move_on_after(30):
-                    event = await client.next_event()
-                if not isinstance(event, h11.Request):
+                request = await self._read_head(client, first, record=False)
+                if request is None:
                     return
-                while not isinstance(await client.next_event(), h11.EndOfMessage):
-                    pass
-                path = event.target.split(b"?", 1)[0]
-                ctype = b"text/plain; charset=utf-8"
-                if path == b"/metrics":
-                    accept = dict(event.headers).get(b"accept", b"").decode("latin-1")
-                    encoder, ctype_s = choose_encoder(accept)
-                    body, status, ctype = encoder(self.registry), 200, ctype_s.encode()
-                elif path == b"/healthz":
-                    body, status = b"ok\n", 200
-                else:
-                    body, status = b"not found: try /metrics or /healthz\n", 404
-                headers = [(b"Content-Type", ctype), (b"Content-Length", str(len(body)).encode())]
-                await client.send(h11.Response(status_code=status, headers=headers))
-                if event.method != b"HEAD":
-                    await client.send_data(body)
-                await client.send(h11.EndOfMessage())
+                if request.method not in (b"GET", b"HEAD"):
+                    await answer_error(
+                        client, 405, "the metrics listener answers GET and HEAD only",
+                        [(b"Allow", b"GET, HEAD")],
+                    )  # fmt: skip
+                    return
+                if not await self._discard_body(client):
+                    return
+                await self._answer_metrics(client, request)
                 if not client.reusable:
                     return
                 client.start_next_cycle()
-        except (h11.ProtocolError, anyio.BrokenResourceError, OSError):
-            return
+                first = False
+        except (ClientError, ClientDisconnected):
+            return  # a broken or vanished scraper: nothing to answer
         finally:
             await client.aclose()
+
+    async def _discard_body(self, client: H11Stream) -> bool:
+        """Read (and drop) a request body; False if the connection must end."""
+        size = 0
+        try:
+            with anyio.fail_after(self.config.header_timeout), client_side(client):
+                while True:
+                    event = await client.next_event()
+                    if isinstance(event, h11.EndOfMessage):
+                        return True
+                    if not isinstance(event, h11.Data):
+                        return False
+                    size += len(event.data)
+                    if size > METRICS_MAX_BODY:
+                        await answer_error(client, 413, "no request body expected")
+                        return False
+        except TimeoutError:
+            await answer_error(client, 408, "request body not received in time")
+            return False
+        except ClientError:
+            return False
+
+    async def _answer_metrics(self, client: H11Stream, request: h11.Request) -> None:
+        path = request.target.split(b"?", 1)[0]
+        ctype = b"text/plain; charset=utf-8"
+        if path == b"/metrics":
+            accept = get_header(request.headers.raw_items(), b"accept") or b""
+            encoder, ctype_s = choose_encoder(accept.decode("latin-1"))
+            body, status, ctype = encoder(self.registry), 200, ctype_s.encode()
+        elif path == b"/healthz":
+            body, status = b"ok\n", 200
+        else:
+            body, status = b"not found: try /metrics or /healthz\n", 404
+        headers = [(b"Content-Type", ctype), (b"Content-Length", str(len(body)).encode())]
+        with client_side(client):
+            await client.send(
+                h11.Response(status_code=status, headers=headers, reason=reason(status))
+            )
+            if request.method != b"HEAD":
+                await client.send_data(body)
+            await client.send(h11.EndOfMessage())
 
 
 def _bound(listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> tuple[str, int]:
@@ -424,31 +501,11 @@ class SidecarProcess:
         return code
 
 
-def config_args(config: Config) -> list[str]:
-    """The ``llama-sidecar proxy`` flags that reproduce ``config``."""
-    args = [
-        "--upstream", config.upstream,
-        "--listen", config.listen,
-        "--metrics-listen", config.metrics_listen or "",
-        "--park-keepalive", str(config.park_keepalive),
-        "--idle-keepalive", str(config.idle_keepalive),
-        "--drain-timeout", str(config.drain_timeout),
-        "--max-body", str(config.max_body),
-        "--header-timeout", str(config.header_timeout),
-        "--upstream-client", config.upstream_client,
-    ]  # fmt: skip
-    if config.early_open_after is not None:
-        args += ["--early-open-after", str(config.early_open_after)]
-    if config.api_key:
-        args += ["--api-key", config.api_key]
-    return args
-
-
 def start_subprocess(
     config: Config, env: Mapping[str, str] | None = None, timeout: float = 20.0
 ) -> SidecarProcess:
     """Start the sidecar CLI in a child process and wait until it listens."""
-    cmd = [sys.executable, "-c", _SUBPROCESS_MAIN, *config_args(config)]
+    cmd = [sys.executable, "-c", _SUBPROCESS_MAIN, *config_argv(config)]
     full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env

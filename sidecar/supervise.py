@@ -47,6 +47,8 @@ from typing import IO
 
 import httpx
 
+from sidecar.config import Config, config_argv
+
 __all__ = [
     "Child",
     "StartupError",
@@ -161,16 +163,22 @@ _SIDECAR_MAIN = (
 
 
 def sidecar_argv(cfg: UpConfig) -> list[str]:
-    argv = [
-        sys.executable, "-c", _SIDECAR_MAIN,
-        "--upstream", cfg.server_url,
-        "--listen", f"{_url_host(cfg.host)}:{cfg.port}",
-        "--metrics-listen", f"{_url_host(cfg.metrics_host)}:{cfg.metrics_port}",
-        "--drain-timeout", str(cfg.drain_timeout),
-    ]  # fmt: skip
+    """The sidecar's command line: the options ``up`` decides, as flags.
+
+    Every other option keeps its default or comes from its ``LLAMA_SIDECAR_*``
+    variable, which the child inherits; ``sidecar_args`` come last and so win.
+    """
+    config = Config(
+        upstream=cfg.server_url,
+        listen=f"{_url_host(cfg.host)}:{cfg.port}",
+        metrics_listen=f"{_url_host(cfg.metrics_host)}:{cfg.metrics_port}",
+        drain_timeout=cfg.drain_timeout,
+        api_key=cfg.api_key,
+    )
+    names = ["upstream", "listen", "metrics_listen", "drain_timeout"]
     if cfg.api_key:
-        argv += ["--api-key", cfg.api_key]
-    return argv + list(cfg.sidecar_args)
+        names.append("api_key")
+    return [sys.executable, "-c", _SIDECAR_MAIN, *config_argv(config, names), *cfg.sidecar_args]
 
 
 def port_in_use(host: str, port: int) -> bool:

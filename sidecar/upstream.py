@@ -66,6 +66,7 @@ class ResponseHead:
     status: int
     reason: bytes
     headers: Headers
+    framing_anomaly: bool = False  # e.g. both Content-Length and Transfer-Encoding
 
 
 class UpstreamResponse(Protocol):
@@ -101,15 +102,31 @@ def make_upstream(config: Config) -> UpstreamClient:
 # --------------------------------------------------------------------------- h11
 
 
+def _stray_input(stream: H11Stream) -> bool:
+    """True if bytes past the response were received, or the peer closed.
+
+    Between two exchanges an upstream connection must be silent.  Anything
+    it sent beyond the end of a response (a body longer than its
+    ``Content-Length``, a body after a 204 or a HEAD response, bytes after the
+    last chunk) would be read as the *next* client's response: a connection
+    with stray bytes is never pooled or reused, whatever they are.
+    """
+    if stream.has_buffered_data():
+        return True
+    raw = stream.stream
+    # Reading stays enabled on a TransportStream: the loop may have queued them.
+    return isinstance(raw, TransportStream) and (raw.at_eof or raw.has_queued)
+
+
 def _peer_closed(stream: H11Stream) -> bool:
     """Non-blocking check that an idle pooled connection is still open.
 
     An idle keep-alive connection must have nothing to read: readability means
     EOF (the server closed it) or stray bytes, and either way it is discarded.
     """
+    if _stray_input(stream):
+        return True
     raw = stream.stream
-    if isinstance(raw, TransportStream) and (raw.at_eof or raw.has_queued):
-        return True  # reading stays enabled, so the loop may have seen it already
     try:
         sock = raw.extra(SocketAttribute.raw_socket)
         readable, _, _ = select.select([sock.fileno()], [], [], 0)
@@ -147,7 +164,8 @@ class H11Upstream:
         return await self._connect(), False
 
     def _checkin(self, conn: H11Stream, *, fresh: bool = False) -> bool:
-        if self._closed or len(self._idle) >= self.max_idle:
+        """Pool ``conn`` if its response ended exactly and cleanly; False: close it."""
+        if self._closed or len(self._idle) >= self.max_idle or _stray_input(conn):
             return False
         if not fresh:
             if not conn.reusable:
@@ -207,6 +225,13 @@ async def _read_head(conn: H11Stream, method: bytes) -> tuple[ResponseHead, bool
         event = await _next(conn)
         if isinstance(event, h11.Response):
             head = ResponseHead(event.status_code, event.reason, list(event.headers.raw_items()))
+            if (
+                get_header(head.headers, b"transfer-encoding") is not None
+                and get_header(head.headers, b"content-length") is not None
+            ):
+                # RFC 9112 section 6.3: Transfer-Encoding wins, but the message
+                # "ought to be handled as an error": relay it, never reuse.
+                head.framing_anomaly = True
             chunked = (
                 method != b"HEAD"
                 and event.status_code not in (204, 304)
@@ -459,6 +484,9 @@ class H11Response:
         raise UpstreamProtocolError(f"unexpected {type(event).__name__} in response body")
 
     async def aclose(self) -> None:
+        if self.head.framing_anomaly:
+            await self._conn.aclose()
+            return
         if self._decoder is not None:
             if self._done and not self._decoder.leftover:
                 self._conn.reset()

@@ -1,7 +1,8 @@
 """``llama-sidecar proxy``: the sidecar alone in front of any llama-server.
 
-Parses the options (each also read from ``LLAMA_SIDECAR_<NAME>``) into a frozen
-:class:`~sidecar.config.Config` and calls :func:`run_proxy`.  SIGTERM or SIGINT
+The options are the rows of :data:`sidecar.config.OPTIONS` (each also read from
+``LLAMA_SIDECAR_<NAME>``); they are parsed into a frozen
+:class:`~sidecar.config.Config` and :func:`run_proxy` is called.  SIGTERM or SIGINT
 start a graceful drain (``--drain-timeout``); a second signal stops at once.
 Once both listeners are bound, one line is printed on stdout::
 
@@ -12,100 +13,31 @@ Once both listeners are bound, one line is printed on stdout::
 
 from __future__ import annotations
 
+import inspect
 import logging
 import signal
 import sys
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio
 import anyio.abc
 import typer
 
-from sidecar.config import Config
+from sidecar.config import ENV_PREFIX, OPTIONS, Config, environ_values
 from sidecar.server import Sidecar, _use_uvloop
 
 __all__ = ["main", "proxy", "run_proxy"]
 
-_E = "LLAMA_SIDECAR_"
 
-
-def proxy(
-    upstream: Annotated[
-        str, typer.Option(envvar=_E + "UPSTREAM", help="llama-server base URL (http://HOST:PORT).")
-    ] = "http://127.0.0.1:8080",
-    listen: Annotated[
-        str, typer.Option(envvar=_E + "LISTEN", help="Proxy listen address HOST:PORT.")
-    ] = "127.0.0.1:8081",
-    metrics_listen: Annotated[
-        str,
-        typer.Option(
-            envvar=_E + "METRICS_LISTEN",
-            help="Metrics listen address HOST:PORT (/metrics, /healthz); empty to disable.",
-        ),
-    ] = "127.0.0.1:9464",
-    park_keepalive: Annotated[
-        float,
-        typer.Option(
-            envvar=_E + "PARK_KEEPALIVE", help="Max client silence (s) while a prompt is parked."
-        ),
-    ] = 1.0,
-    idle_keepalive: Annotated[
-        float,
-        typer.Option(envvar=_E + "IDLE_KEEPALIVE", help="Max client silence (s) on SSE otherwise."),
-    ] = 10.0,
-    early_open_after: Annotated[
-        float | None,
-        typer.Option(
-            envvar=_E + "EARLY_OPEN_AFTER",
-            help="Answer 200 text/event-stream to a streaming request if upstream is silent "
-            "this long (off by default: it turns a 4xx into a 200 plus an error event).",
-        ),
-    ] = None,
-    drain_timeout: Annotated[
-        float,
-        typer.Option(
-            envvar=_E + "DRAIN_TIMEOUT", help="On SIGTERM, seconds running streams may finish in."
-        ),
-    ] = 30.0,
-    api_key: Annotated[
-        str | None,
-        typer.Option(
-            envvar=_E + "API_KEY",
-            help="Require 'Authorization: Bearer KEY' (or X-Api-Key) before forwarding.",
-        ),
-    ] = None,
-    max_body: Annotated[
-        int, typer.Option(envvar=_E + "MAX_BODY", help="Largest request body in bytes (413).")
-    ] = 32 * 1024 * 1024,
-    header_timeout: Annotated[
-        float,
-        typer.Option(envvar=_E + "HEADER_TIMEOUT", help="Seconds a client has for its headers."),
-    ] = 10.0,
-    upstream_client: Annotated[
-        str,
-        typer.Option(
-            envvar=_E + "UPSTREAM_CLIENT", help="Upstream HTTP client: h11 (default) or httpx."
-        ),
-    ] = "h11",
-    log_level: Annotated[
-        str, typer.Option(envvar=_E + "LOG_LEVEL", help="Logging level (access log is INFO).")
-    ] = "INFO",
-) -> None:
+def proxy(**given: Any) -> None:
     """Run the keepalive-aware reverse proxy in front of a llama-server."""
+    log_level = given.pop("log_level")
+    # click ignores an empty variable; for an option that may be unset the
+    # table reads it as "unset" (LLAMA_SIDECAR_METRICS_LISTEN= disables metrics).
+    raw = environ_values()
+    raw.update((name, text) for name, text in given.items() if text is not None)
     try:
-        config = Config(
-            upstream=upstream,
-            listen=listen,
-            metrics_listen=metrics_listen or None,
-            park_keepalive=park_keepalive,
-            idle_keepalive=idle_keepalive,
-            early_open_after=early_open_after,
-            drain_timeout=drain_timeout,
-            api_key=api_key or None,
-            max_body=max_body,
-            header_timeout=header_timeout,
-            upstream_client=upstream_client,  # type: ignore[arg-type]
-        )
+        config = Config.from_text(raw)
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
     logging.basicConfig(
@@ -116,6 +48,30 @@ def proxy(
     except OSError as exc:
         typer.echo(f"llama-sidecar: {exc}; is another process using that port?", err=True)
         raise typer.Exit(1) from exc
+
+
+def _parameters() -> list[inspect.Parameter]:
+    """One typer option per row of :data:`sidecar.config.OPTIONS`, plus ``--log-level``.
+
+    Each arrives as text (from the flag or from its ``LLAMA_SIDECAR_*`` variable)
+    and is parsed by the table, so both spell values the same way.
+    """
+    params = []
+    for o in OPTIONS:
+        default = "off" if o.default is None else o.format(o.default) or '""'
+        info = typer.Option(o.flag, envvar=o.env, help=o.help, metavar=o.metavar,
+                            show_default=default)  # fmt: skip
+        params.append(inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=None,
+                                        annotation=Annotated[str | None, info]))  # fmt: skip
+    level = typer.Option("--log-level", envvar=ENV_PREFIX + "LOG_LEVEL",
+                         help="Logging level (the access log is INFO).")  # fmt: skip
+    params.append(inspect.Parameter("log_level", inspect.Parameter.KEYWORD_ONLY,
+                                    default="INFO", annotation=Annotated[str, level]))  # fmt: skip
+    return params
+
+
+proxy.__signature__ = inspect.Signature(_parameters())  # type: ignore[attr-defined]
+proxy.__annotations__ = {p.name: p.annotation for p in proxy.__signature__.parameters.values()}  # type: ignore[attr-defined]
 
 
 def run_proxy(config: Config) -> None:

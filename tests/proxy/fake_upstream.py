@@ -11,6 +11,11 @@ list, for ad-hoc use from other processes).  A script is a list of steps:
 ``("die",)``                   close the socket abruptly (upstream crash)
 ``("hang",)``                  wait until the client goes away
 ``("echo",)``                  200 with the request body echoed back
+``("raw", bytes)``             write bytes as they are: a lying upstream's framing, 1xx
+                               floods, a head dripped line by line
+``("keep",)``                  after raw steps: serve the next request on this connection
+                               anyway (the lie is complete; a proxy that pooled the
+                               connection gets whatever the raw bytes left behind)
 
 Helpers build llama-server-like streams: :func:`sse_head`, :func:`chunk`,
 :func:`park_script`.  Every connection is recorded (:class:`ConnRecord`):
@@ -153,6 +158,12 @@ class FakeUpstream:
                     raw = dict(req.headers).get(b"x-fake-script")
                     script = _decode_script(raw) if raw else [("echo",)]
                 alive = await self._run(script, req, stream, conn, rec)
+                if alive and script and script[-1][0] == "keep":
+                    leftover = bytes(conn.trailing_data[0])
+                    conn = buf.conn = h11.Connection(h11.SERVER)
+                    if leftover:  # (b"" would tell h11 the peer closed)
+                        conn.receive_data(leftover)
+                    continue
                 if not alive or conn.our_state is h11.MUST_CLOSE:
                     return
                 if conn.our_state is h11.DONE and conn.their_state is h11.DONE:
@@ -237,6 +248,8 @@ class FakeUpstream:
                 return True
             elif op == "hang":
                 await anyio.sleep_forever()
+            elif op == "keep":
+                pass  # see _handle
             elif op == "echo":
                 ctype = dict(req.headers).get(b"content-type", b"application/octet-stream")
                 headers = [

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 import pytest
 
-from sidecar.config import Config, parse_hostport, parse_upstream
+from sidecar.config import OPTIONS, Config, Option, config_argv, parse_hostport, parse_upstream
 from sidecar.metrics import route_label, status_class
 
 
@@ -116,3 +118,90 @@ def test_route_label(target: bytes | str, label: str) -> None:
 )
 def test_status_class(status: int | None, cls: str) -> None:
     assert status_class(status) == cls
+
+
+# ------------------------------------------------ one table: flags, env, --help, argv
+
+# A valid value other than the default for every option (a new option must add one).
+SAMPLES: dict[str, object] = {
+    "upstream": "http://10.1.2.3:9000/base",
+    "listen": "127.0.0.1:1234",
+    "metrics_listen": None,
+    "park_keepalive": 0.25,
+    "idle_keepalive": 3.5,
+    "early_open_after": 2.0,
+    "drain_timeout": 7.0,
+    "api_key": "secret",
+    "max_body": 12345,
+    "max_header_bytes": 4096,
+    "header_timeout": 2.5,
+    "body_timeout": 9.0,
+    "keepalive_timeout": 11.0,
+    "connect_timeout": 1.5,
+    "upstream_client": "httpx",
+    "upstream_max_idle": 3,
+}
+
+
+def _run_cli(args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Config:
+    from typer.testing import CliRunner
+
+    from sidecar.cli import app, proxy
+
+    seen: list[Config] = []
+    monkeypatch.setattr(proxy, "run_proxy", seen.append)
+    for o in OPTIONS:  # only what the test gives
+        monkeypatch.delenv(o.env, raising=False)
+    result = CliRunner().invoke(app, ["proxy", *args], env=env)
+    assert result.exit_code == 0, result.output
+    return seen[0]
+
+
+def test_every_option_has_a_sample() -> None:
+    assert set(SAMPLES) == {o.name for o in OPTIONS} == {f.name for f in fields(Config)}
+    for o in OPTIONS:
+        assert SAMPLES[o.name] != o.default, o.name
+
+
+@pytest.mark.parametrize("option", OPTIONS, ids=lambda o: o.name)
+def test_every_option_reachable_by_flag_and_by_env(
+    option: Option, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = option.format(SAMPLES[option.name])
+    by_flag = _run_cli([option.flag, text], {}, monkeypatch)
+    by_env = _run_cli([], {option.env: text}, monkeypatch)
+    assert getattr(by_flag, option.name) == SAMPLES[option.name]
+    assert by_env == by_flag == Config().replace(**{option.name: SAMPLES[option.name]})
+    assert Config.from_env({option.env: text}) == by_env
+    # the flag beats the environment
+    default = option.format(option.default)
+    assert _run_cli([option.flag, text], {option.env: default}, monkeypatch) == by_flag
+
+
+def test_config_argv_reproduces_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = Config(**SAMPLES)  # type: ignore[arg-type]
+    # every option is on the command line, so an inherited variable cannot change it
+    env = {o.env: o.format(o.default) for o in OPTIONS}
+    assert _run_cli(config_argv(config), env, monkeypatch) == config
+    assert config_argv(config, ["listen"]) == ["--listen", "127.0.0.1:1234"]
+
+
+def test_proxy_help_lists_every_flag_and_variable() -> None:
+    from typer.testing import CliRunner
+
+    from sidecar.cli import app
+
+    result = CliRunner().invoke(app, ["proxy", "--help"], terminal_width=300)
+    assert result.exit_code == 0
+    for o in OPTIONS:
+        assert o.flag in result.output and o.env in result.output, o.name
+
+
+def test_bad_flag_value_names_the_option(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from sidecar.cli import app
+
+    result = CliRunner().invoke(app, ["proxy", "--max-body", "lots"])
+    assert result.exit_code != 0
+    assert "--max-body" in result.output

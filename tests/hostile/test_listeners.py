@@ -1,0 +1,213 @@
+"""Finding 1: a connection-level failure on either listener ends that connection only.
+
+The metrics listener used to wait 30 s for a request with ``move_on_after`` and then read
+the variable it never set (``UnboundLocalError``, which cut every stream and ended the
+process) or, after a first request, loop on ``ConnectionClosed`` without yielding (the
+process froze and ignored SIGTERM).  Now both listeners share one connection loop with
+the configured idle and head timeouts, and a bug in one connection is logged and ends
+only that connection.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+import anyio
+import httpx
+import pytest
+from anyio.abc import SocketAttribute
+
+from sidecar.adapter import H11Stream
+from sidecar.server import Sidecar, ephemeral_config, start_subprocess
+from tests.proxy.conftest import SidecarFactory
+from tests.proxy.fake_upstream import FakeUpstream, chunk, fake_upstream_in_thread, sse_head
+from tests.proxy.rawclient import RawConn
+
+GET_HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: m\r\n\r\n"
+GET_METRICS = b"GET /metrics HTTP/1.1\r\nHost: m\r\n\r\n"
+
+
+def _metrics_base(sc: Sidecar) -> str:
+    assert sc.metrics_url is not None
+    return sc.metrics_url.removesuffix("/metrics")
+
+
+@pytest.mark.anyio
+async def test_idle_keepalive_scrape_connection_is_closed_after_keepalive_timeout(
+    fake: FakeUpstream, sidecar_factory: SidecarFactory
+) -> None:
+    async with sidecar_factory(fake.url, keepalive_timeout=0.5, header_timeout=0.5) as sc:
+        base = _metrics_base(sc)
+        async with await RawConn.open(base) as conn:
+            for request in (GET_METRICS, GET_HEALTHZ):  # keep-alive: two on one connection
+                await conn.send(request)
+                resp = await conn.read_response()
+                assert resp.status == 200 and resp.reason == b"OK"
+            t0 = time.monotonic()
+            assert await conn.wait_closed(timeout=5) == b""
+            assert 0.4 < time.monotonic() - t0 < 2.0
+        async with await RawConn.open(base) as silent:
+            t0 = time.monotonic()
+            assert await silent.wait_closed(timeout=5) == b""  # no byte: closed quietly
+            assert time.monotonic() - t0 < 2.0
+        async with await RawConn.open(base) as conn:  # the listener still serves
+            await conn.send(GET_HEALTHZ)
+            assert (await conn.read_response()).body == b"ok\n"
+
+
+async def drip_until_answered(conn: RawConn, head: bytes, line: bytes, every: float) -> float:
+    """Send ``head``, then ``line`` every ``every`` s until the server answers; returns when."""
+    t0 = time.monotonic()
+    await conn.send(head)
+    async with anyio.create_task_group() as tg:
+
+        async def drip() -> None:
+            while True:
+                await anyio.sleep(every)
+                await conn.send(line)
+
+        tg.start_soon(drip)
+        status_line = await conn.read_until(b"\r\n", timeout=10)
+        conn.buf = status_line + conn.buf  # left for read_response
+        tg.cancel_scope.cancel()
+    return time.monotonic() - t0
+
+
+@pytest.mark.anyio
+async def test_metrics_listener_slowloris_gets_408(
+    fake: FakeUpstream, sidecar_factory: SidecarFactory
+) -> None:
+    async with (
+        sidecar_factory(fake.url, header_timeout=0.5) as sc,
+        await RawConn.open(_metrics_base(sc)) as conn,
+    ):
+        took = await drip_until_answered(conn, b"GET /metrics HTTP/1.1\r\n", b"X-A: b\r\n", 0.1)
+        assert took < 1.5  # one deadline for the whole head, not one per line
+        resp = await conn.read_response(timeout=5)
+        assert resp.status == 408
+        assert resp.reason == b"Request Timeout"
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    ("request_bytes", "status"),
+    [
+        (b"POST /metrics HTTP/1.1\r\nHost: m\r\nContent-Length: 3\r\n\r\nabc", 405),
+        (b"GET /metrics HTTP/1.1\r\nHost: m\r\nContent-Length: 999999\r\n\r\n" + b"a" * 70000,
+         413),
+        (b"GET /metrics HTTP/1.1\r\nHost: m\r\nContent-Length: 1\r\nContent-Length: 2\r\n\r\n",
+         400),
+        (b"GET /metrics HTTP/1.1\r\nHost: m\r\n" + b"X-Big: " + b"a" * 40000 + b"\r\n\r\n", 431),
+    ],
+)  # fmt: skip
+async def test_metrics_listener_refuses_what_it_does_not_serve(
+    sidecar: Sidecar, request_bytes: bytes, status: int
+) -> None:
+    async with await RawConn.open(_metrics_base(sidecar)) as conn:
+        await conn.send(request_bytes)
+        resp = await conn.read_response()
+        assert resp.status == status
+        assert resp.header(b"connection") == b"close"
+        if status == 405:
+            assert resp.header(b"allow") == b"GET, HEAD"
+        assert await conn.wait_closed() == b""
+    async with await RawConn.open(_metrics_base(sidecar)) as conn:
+        await conn.send(b"HEAD /metrics HTTP/1.1\r\nHost: m\r\n\r\n")
+        resp = await conn.read_response(head_only=True)
+        assert resp.status == 200 and int(resp.header(b"content-length") or 0) > 0
+        await conn.send(GET_HEALTHZ)  # the HEAD response had no body: still in sync
+        assert (await conn.read_response()).body == b"ok\n"
+
+
+@pytest.mark.anyio
+async def test_a_bug_in_one_connection_ends_only_that_connection(
+    fake: FakeUpstream, sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An exception escaping a connection handler is logged; other streams go on."""
+    script = [sse_head(), *[x for i in range(20) for x in (("send", chunk(i)), ("sleep", 0.05))],
+              ("send", b"data: [DONE]\n\n"), ("end",)]  # fmt: skip
+    fake.route("/v1/chat/completions", script)
+    stream = await RawConn.open(sidecar.url)
+    await stream.send(
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    await stream.read_until(b"tok1")
+
+    real = H11Stream.wait_first_byte
+    assert sidecar.address is not None
+    proxy_port = sidecar.address[1]
+
+    async def broken(self: H11Stream) -> bool:
+        if self.stream.extra(SocketAttribute.local_address)[1] == proxy_port:
+            raise RuntimeError("a bug in the connection loop")
+        return await real(self)
+
+    monkeypatch.setattr(H11Stream, "wait_first_byte", broken)
+    async with await RawConn.open(sidecar.url) as victim:
+        await victim.send(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert await victim.wait_closed() == b""  # closed, nothing half-written
+    monkeypatch.setattr(H11Stream, "wait_first_byte", real)
+
+    rest = await stream.read_until(b"data: [DONE]\n\n")
+    assert b"tok19" in rest
+    await stream.close()
+    async with await RawConn.open(_metrics_base(sidecar)) as conn:
+        await conn.send(GET_HEALTHZ)
+        assert (await conn.read_response()).status == 200
+
+
+def _stream(url: str, out: dict[str, object]) -> threading.Thread:
+    def run() -> None:
+        try:
+            with httpx.Client(timeout=60) as c, c.stream("POST", url, json={"stream": True}) as r:
+                out["body"] = b"".join(r.iter_raw())
+        except httpx.HTTPError as exc:
+            out["error"] = exc
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.mark.slow
+def test_idle_metrics_connections_past_30_s_leave_the_process_serving() -> None:
+    """The two shapes of the old 30 s trap, on a real child process.
+
+    A connection that never sends a byte (the old code then read an unset variable:
+    the process exited and cut every stream), and one that scrapes once, stays idle
+    past 30 s and then closes (the old code then spun on ``ConnectionClosed``: no
+    port answered and SIGTERM was ignored).
+    """
+    n = 70
+    script = [sse_head(), *[x for i in range(n) for x in (("send", chunk(i)), ("sleep", 0.5))],
+              ("send", b"data: [DONE]\n\n"), ("end",)]  # fmt: skip
+    with fake_upstream_in_thread() as fake:
+        fake.route("/v1/chat/completions", script)
+        proc = start_subprocess(ephemeral_config(fake.url))
+        try:
+            assert proc.metrics_url is not None
+            base = proc.metrics_url.removesuffix("/metrics")
+            host, port = base.removeprefix("http://").rsplit(":", 1)
+            silent = socket.create_connection((host, int(port)))
+            scraper = socket.create_connection((host, int(port)))
+            scraper.sendall(GET_HEALTHZ)
+            assert scraper.recv(4096).startswith(b"HTTP/1.1 200 ")
+            out: dict[str, object] = {}
+            t = _stream(proc.url + "/v1/chat/completions", out)
+            time.sleep(31)
+            scraper.close()
+            time.sleep(0.5)
+            assert proc.proc.poll() is None, "".join(proc.lines[-40:])
+            assert httpx.get(base + "/healthz", timeout=3).text == "ok\n"
+            assert httpx.get(proc.url + "/health", timeout=3).status_code in (200, 404)
+            t.join(20)
+            assert "error" not in out, out.get("error")
+            body = out["body"]
+            assert isinstance(body, bytes) and body.endswith(b"data: [DONE]\n\n")
+            assert body.count(b"data: {") == n
+            silent.close()
+        finally:
+            code = proc.terminate(timeout=5)
+        assert code == 0
