@@ -66,6 +66,8 @@ class Config:
     connect_timeout: float = 5.0
     upstream_client: UpstreamClientName = "h11"
     upstream_max_idle: int = 64
+    ready_poll: float = 1.0
+    ready_min_free_kv: float = 0.0
 
     def __post_init__(self) -> None:
         parse_upstream(self.upstream)
@@ -79,6 +81,10 @@ class Config:
             raise ValueError("early_open_after must be positive")
         if self.drain_timeout < 0 or self.max_body < 0:
             raise ValueError("drain_timeout and max_body must not be negative")
+        if self.ready_poll <= 0:
+            raise ValueError("ready_poll must be positive")
+        if not 0.0 <= self.ready_min_free_kv < 1.0:
+            raise ValueError("ready_min_free_kv is a share of the pool: 0 <= share < 1")
         if self.upstream_client not in ("h11", "httpx"):
             raise ValueError("upstream_client must be 'h11' or 'httpx'")
 

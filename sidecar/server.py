@@ -68,6 +68,7 @@ from sidecar.adapter import H11Stream
 from sidecar.config import Config, format_hostport
 from sidecar.errors import ClientDisconnected, ClientError
 from sidecar.metrics import Metrics, status_class
+from sidecar.readiness import Readiness, poll_upstream
 from sidecar.relay import AccessRecord, Context, Exchange, answer_error, client_side
 from sidecar.transport import TransportStream, accepted
 from sidecar.upstream import UpstreamClient, make_upstream
@@ -121,6 +122,7 @@ class Sidecar:
         self._drain_timeout = config.drain_timeout
         self._idle_scopes: set[anyio.CancelScope] = set()
         self._conns: anyio.abc.TaskGroup | None = None
+        self.readiness = Readiness(config.ready_poll, config.ready_min_free_kv)
 
     @property
     def url(self) -> str:
@@ -166,6 +168,7 @@ class Sidecar:
                     conns.start_soon(
                         self._accept_loop, mlistener, self._handle_metrics, metrics_scope
                     )
+                    conns.start_soon(self._poll_readiness)
                 log.info(
                     "listening on %s metrics %s upstream %s",
                     self.url,
@@ -313,6 +316,11 @@ class Sidecar:
 
     # ---------------------------------------------------------- metrics side
 
+    async def _poll_readiness(self) -> None:
+        # runs until the connection task group is cancelled at the end of a drain
+        host, port, base = self.config.upstream_addr
+        await poll_upstream(self.readiness, f"http://{format_hostport(host, port)}{base}/metrics")
+
     async def _handle_metrics(self, stream: TransportStream) -> None:
         client = H11Stream(stream, h11.SERVER)
         try:
@@ -331,8 +339,11 @@ class Sidecar:
                     body, status, ctype = encoder(self.registry), 200, ctype_s.encode()
                 elif path == b"/healthz":
                     body, status = b"ok\n", 200
+                elif path == b"/ready":
+                    verdict = self.readiness.verdict(anyio.current_time())
+                    body, status = verdict.body(), 200 if verdict.ready else 503
                 else:
-                    body, status = b"not found: try /metrics or /healthz\n", 404
+                    body, status = b"not found: try /metrics, /healthz or /ready\n", 404
                 headers = [(b"Content-Type", ctype), (b"Content-Length", str(len(body)).encode())]
                 await client.send(h11.Response(status_code=status, headers=headers))
                 if event.method != b"HEAD":
@@ -436,6 +447,8 @@ def config_args(config: Config) -> list[str]:
         "--max-body", str(config.max_body),
         "--header-timeout", str(config.header_timeout),
         "--upstream-client", config.upstream_client,
+        "--ready-poll", str(config.ready_poll),
+        "--ready-min-free-kv", str(config.ready_min_free_kv),
     ]  # fmt: skip
     if config.early_open_after is not None:
         args += ["--early-open-after", str(config.early_open_after)]

@@ -40,7 +40,7 @@ def proxy(
         str,
         typer.Option(
             envvar=_E + "METRICS_LISTEN",
-            help="Metrics listen address HOST:PORT (/metrics, /healthz); empty to disable.",
+            help="Metrics listen address HOST:PORT (/metrics, /healthz, /ready); empty to disable.",
         ),
     ] = "127.0.0.1:9464",
     park_keepalive: Annotated[
@@ -87,6 +87,22 @@ def proxy(
             envvar=_E + "UPSTREAM_CLIENT", help="Upstream HTTP client: h11 (default) or httpx."
         ),
     ] = "h11",
+    ready_poll: Annotated[
+        float,
+        typer.Option(
+            envvar=_E + "READY_POLL",
+            help="Seconds between reads of llama-server's /metrics for /ready.",
+        ),
+    ] = 1.0,
+    ready_min_free_kv: Annotated[
+        float,
+        typer.Option(
+            envvar=_E + "READY_MIN_FREE_KV",
+            help="/ready answers 503 while the free share of the KV pool is below this "
+            "(0 to 1; needs the kv_cells gauges of the patched server). Parked requests "
+            "always make it 503.",
+        ),
+    ] = 0.0,
     log_level: Annotated[
         str, typer.Option(envvar=_E + "LOG_LEVEL", help="Logging level (access log is INFO).")
     ] = "INFO",
@@ -105,6 +121,8 @@ def proxy(
             max_body=max_body,
             header_timeout=header_timeout,
             upstream_client=upstream_client,  # type: ignore[arg-type]
+            ready_poll=ready_poll,
+            ready_min_free_kv=ready_min_free_kv,
         )
     except ValueError as exc:
         raise typer.BadParameter(str(exc)) from exc
