@@ -123,6 +123,10 @@ class Sidecar:
         self._idle_scopes: set[anyio.CancelScope] = set()
         self._conns: anyio.abc.TaskGroup | None = None
         self.readiness = Readiness(config.ready_poll, config.ready_min_free_kv)
+        # scrapes run on the event loop, so the verdict is read with the loop's clock
+        self.metrics.ready.set_function(
+            lambda: float(self.readiness.verdict(anyio.current_time()).ready)
+        )
 
     @property
     def url(self) -> str:

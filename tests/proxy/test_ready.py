@@ -46,6 +46,7 @@ async def test_ready_flips_with_parked_requests(
         assert sc.metrics_url is not None
         ready_url = sc.metrics_url.replace("/metrics", "/ready")
         await wait_status(c, ready_url, 200, "no parked requests")
+        assert "llama_sidecar_ready 1.0" in (await c.get(sc.metrics_url)).text
 
         # a stream is running through the sidecar while the server starts to park
         async def stream() -> str:
@@ -62,6 +63,7 @@ async def test_ready_flips_with_parked_requests(
             tg.start_soon(collect)
             fake.route("/metrics", metrics_script(2))
             await wait_status(c, ready_url, 503, "2 request(s) parked")
+            assert "llama_sidecar_ready 0.0" in (await c.get(sc.metrics_url)).text
             fake.route("/metrics", metrics_script(0))
             await wait_status(c, ready_url, 200)
         # the running stream was never touched by readiness
