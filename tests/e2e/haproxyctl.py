@@ -10,6 +10,7 @@ import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 import httpx
 
@@ -49,6 +50,7 @@ class HAProxy:
     port: int = field(default_factory=free_port)
     stats_port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    _log: IO[bytes] | None = None
 
     @property
     def url(self) -> str:
@@ -58,8 +60,8 @@ class HAProxy:
         assert HAPROXY is not None
         cfg = self.tmp / "haproxy.cfg"
         cfg.write_text(pairs_config(self.pairs, self.port, self.stats_port, self.inter))
-        log = (self.tmp / "haproxy.log").open("wb")
-        # -db: stay in the foreground; -W off (one process), so terminate() stops it
+        self._log = log = (self.tmp / "haproxy.log").open("wb")
+        # -db: stay in the foreground, one process, so terminate() stops it
         self.proc = subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], stdout=log, stderr=log)
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
@@ -96,3 +98,5 @@ class HAProxy:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+        if self._log is not None:
+            self._log.close()
