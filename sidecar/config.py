@@ -85,7 +85,7 @@ class Config:
     listen: str = field(default="127.0.0.1:8081", metadata=_doc(
         "HOST:PORT", "Proxy listen address (port 0: any free port)."))
     metrics_listen: str | None = field(default="127.0.0.1:9464", metadata=_doc(
-        "HOST:PORT", "Metrics listen address (/metrics, /healthz); empty to disable."))
+        "HOST:PORT", "Metrics listen address (/metrics, /healthz, /ready); empty to disable."))
     park_keepalive: float = field(default=1.0, metadata=_doc(
         "SECONDS", "Longest client silence while a prompt is parked."))
     idle_keepalive: float = field(default=10.0, metadata=_doc(
@@ -115,6 +115,11 @@ class Config:
         "h11|httpx", "Upstream HTTP client."))
     upstream_max_idle: int = field(default=64, metadata=_doc(
         "N", "Idle upstream keep-alive connections kept in the pool."))
+    ready_poll: float = field(default=1.0, metadata=_doc(
+        "SECONDS", "How often /ready reads llama-server's /metrics (parked requests)."))
+    ready_min_free_kv: float = field(default=0.0, metadata=_doc(
+        "SHARE", "/ready answers 503 while less than this share (0 to 1) of the KV pool is free; "
+        "needs the server's kv_cells gauges. Parked requests always make it 503."))
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -135,6 +140,10 @@ class Config:
                 raise ValueError(f"{name} must not be negative")
         if self.max_header_bytes <= 0:
             raise ValueError("max_header_bytes must be positive")
+        if self.ready_poll <= 0:
+            raise ValueError("ready_poll must be positive")
+        if not 0.0 <= self.ready_min_free_kv < 1.0:
+            raise ValueError("ready_min_free_kv is a share of the pool: 0 <= share < 1")
         if self.upstream_client not in ("h11", "httpx"):
             raise ValueError("upstream_client must be 'h11' or 'httpx'")
 

@@ -146,6 +146,11 @@ class Metrics:
         self.upstream_up = Gauge(
             f"{p}_upstream_up", "1 if the last upstream connect succeeded", registry=r
         )
+        self.ready = Gauge(
+            f"{p}_ready",
+            "1 while /ready answers 200 (no parked requests upstream), else 0",
+            registry=r,
+        )
         self.build_info = Info(f"{p}_build", "Sidecar build information", registry=r)
         self.build_info.info(
             {

@@ -70,6 +70,7 @@ from sidecar.config import Config, config_argv, format_hostport
 from sidecar.errors import ClientDisconnected, ClientError
 from sidecar.headers import get_header
 from sidecar.metrics import Metrics, status_class
+from sidecar.readiness import Readiness, poll_upstream
 from sidecar.relay import AccessRecord, Context, Exchange, answer_error, client_side, reason
 from sidecar.transport import TransportStream, accepted
 from sidecar.upstream import UpstreamClient, make_upstream
@@ -125,6 +126,11 @@ class Sidecar:
         self._drain_timeout = config.drain_timeout
         self._idle_scopes: set[anyio.CancelScope] = set()
         self._conns: anyio.abc.TaskGroup | None = None
+        self.readiness = Readiness(config.ready_poll, config.ready_min_free_kv)
+        # scrapes run on the event loop, so the verdict is read with the loop's clock
+        self.metrics.ready.set_function(
+            lambda: float(self.readiness.verdict(anyio.current_time()).ready)
+        )
 
     @property
     def url(self) -> str:
@@ -170,6 +176,7 @@ class Sidecar:
                     conns.start_soon(
                         self._accept_loop, mlistener, self._handle_metrics, metrics_scope
                     )
+                    conns.start_soon(self._poll_readiness)
                 log.debug(
                     "listening on %s metrics %s upstream %s",
                     self.url,
@@ -346,8 +353,13 @@ class Sidecar:
 
     # ---------------------------------------------------------- metrics side
 
+    async def _poll_readiness(self) -> None:
+        # runs until the connection task group is cancelled at the end of a drain
+        host, port, base = self.config.upstream_addr
+        await poll_upstream(self.readiness, f"http://{format_hostport(host, port)}{base}/metrics")
+
     async def _handle_metrics(self, stream: TransportStream) -> None:
-        """``/metrics`` and ``/healthz``: GET or HEAD, keep-alive, the proxy's timeouts.
+        """``/metrics``, ``/healthz`` and ``/ready``: GET or HEAD, keep-alive, the proxy's timeouts.
 
         The connection loop is the proxy side's: ``keepalive_timeout`` for an
         idle keep-alive connection (Prometheus scrapes every minute by default
@@ -412,8 +424,11 @@ class Sidecar:
             body, status, ctype = encoder(self.registry), 200, ctype_s.encode()
         elif path == b"/healthz":
             body, status = b"ok\n", 200
+        elif path == b"/ready":
+            verdict = self.readiness.verdict(anyio.current_time())
+            body, status = verdict.body(), 200 if verdict.ready else 503
         else:
-            body, status = b"not found: try /metrics or /healthz\n", 404
+            body, status = b"not found: try /metrics, /healthz or /ready\n", 404
         headers = [(b"Content-Type", ctype), (b"Content-Length", str(len(body)).encode())]
         with client_side(client):
             await client.send(

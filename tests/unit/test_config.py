@@ -140,6 +140,8 @@ SAMPLES: dict[str, object] = {
     "connect_timeout": 1.5,
     "upstream_client": "httpx",
     "upstream_max_idle": 3,
+    "ready_poll": 0.5,
+    "ready_min_free_kv": 0.25,
 }
 
 

@@ -1,0 +1,133 @@
+"""Two llama-server + sidecar pairs behind a real HAProxy that checks each sidecar's /ready.
+
+Pair 1 is overloaded until it parks a stream: its /ready turns 503, HAProxy marks it down,
+new requests go to pair 2, the parked stream still completes, and once the park is over
+/ready is back to 200 within the poll interval and pair 1 takes requests again.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from urllib.parse import urlsplit
+
+import httpx
+import pytest
+
+from sidecar.server import SidecarProcess, ephemeral_config, start_subprocess
+from tests.conftest import StartServer
+from tests.e2e.haproxyctl import HAPROXY, HAProxy
+from tests.server.preempt_helpers import (
+    BASE,
+    PARK,
+    Completion,
+    complete,
+    long_park_sizes,
+    metrics,
+    slots,
+    token_prompt,
+    wait_for,
+)
+
+pytestmark = [
+    pytest.mark.server,
+    pytest.mark.skipif(HAPROXY is None, reason="haproxy is not installed (apt-get haproxy)"),
+]
+
+POLL = 0.2  # the sidecars' --ready-poll
+
+
+def ready(sidecar: SidecarProcess) -> httpx.Response:
+    assert sidecar.metrics_url is not None
+    return httpx.get(sidecar.metrics_url.replace("/metrics", "/ready"), timeout=5)
+
+
+def port(url: str) -> int:
+    p = urlsplit(url).port
+    assert p is not None
+    return p
+
+
+def served_by(haproxy: HAProxy, n: int) -> list[str]:
+    """Send `n` short completions through HAProxy, one after the other; who served each."""
+    out = []
+    for i in range(n):
+        r = httpx.post(haproxy.url + "/completion", timeout=60,
+                       json={"prompt": token_prompt(4, 100 + i), "n_predict": 2})  # fmt: skip
+        assert r.status_code == 200, r.text
+        out.append(r.headers["x-served-by"])
+    return out
+
+
+@pytest.fixture
+def sidecars() -> Iterator[list[SidecarProcess]]:
+    started: list[SidecarProcess] = []
+    yield started
+    for sc in started:
+        sc.terminate()
+
+
+def test_haproxy_steers_new_requests_away_from_a_parking_pair(
+    start_server: StartServer, slow_model: Path, sidecars: list[SidecarProcess], tmp_path: Path
+) -> None:
+    pool, a_tokens, b_tokens = long_park_sizes(start_server, slow_model)
+    servers = [
+        start_server(model=slow_model, args=[*BASE, *PARK, "-c", str(pool), "-np", "2"])
+        for _ in range(2)
+    ]
+    for srv in servers:
+        sidecars.append(start_subprocess(ephemeral_config(srv.url, ready_poll=POLL)))
+    pair_ports = [(port(sc.url), port(sc.metrics_url or "")) for sc in sidecars]
+    haproxy = HAProxy(tmp_path / "haproxy", pair_ports)
+    haproxy.tmp.mkdir()
+    haproxy.start()
+    try:
+        haproxy.wait_status("pair1", "UP")
+        haproxy.wait_status("pair2", "UP")
+        assert all(ready(sc).status_code == 200 for sc in sidecars)
+
+        # overload pair 1 directly: A leads, B overflows the pool and is parked
+        results: dict[str, Completion] = {}
+        one = sidecars[0].url
+
+        def run(name: str, prompt: list[int], n: int) -> None:
+            results[name] = complete(one, prompt, n, timeout=300)
+
+        ta = threading.Thread(target=run, args=("a", token_prompt(8, 0), a_tokens), daemon=True)
+        ta.start()
+        wait_for(
+            lambda: any(s["next_token"][0]["n_decoded"] >= 2
+                        for s in slots(servers[0].url) if s["is_processing"]),
+            timeout=120, what="A generating",
+        )  # fmt: skip
+        tb = threading.Thread(target=run, args=("b", token_prompt(8, 1), b_tokens), daemon=True)
+        tb.start()
+
+        wait_for(lambda: ready(sidecars[0]).status_code == 503, timeout=120, what="/ready 503")
+        assert "parked" in ready(sidecars[0]).text
+        haproxy.wait_status("pair1", "DOWN")
+        assert metrics(servers[0].url)["requests_preempted"] >= 1, "the park ended too soon"
+        # new work goes to the other pair while pair 1 parks
+        assert served_by(haproxy, 4) == ["pair2"] * 4
+
+        # the parked stream and its leader finish untouched
+        ta.join(300)
+        tb.join(300)
+        assert results["a"].ok and results["b"].ok, (results["a"].error, results["b"].error)
+        assert len(results["b"].tokens) == b_tokens
+        assert results["b"].final is not None and results["b"].final["preempt"]["parks"] >= 1
+
+        # back to ready within the poll interval (plus slack for a loaded machine)
+        wait_for(lambda: metrics(servers[0].url)["requests_preempted"] == 0, timeout=30,
+                 what="no parked requests")  # fmt: skip
+        settled = time.monotonic()
+        wait_for(lambda: ready(sidecars[0]).status_code == 200, timeout=10, what="/ready 200")
+        back_after = time.monotonic() - settled
+        print(f"/ready back to 200 {back_after:.2f} s after the last park ended (poll {POLL} s)")
+        assert back_after <= POLL + 2.0
+        haproxy.wait_status("pair1", "UP")
+        assert "pair1" in served_by(haproxy, 6)
+    finally:
+        haproxy.stop()

@@ -1,0 +1,160 @@
+"""Request priority for KV preemption (issue 14): who is parked and who comes back first.
+
+The planner ranks requests by their `priority` (default 0, higher is more important): victims go
+lowest first, restores highest first, and a request parked `--preempt-aging` seconds in total
+ranks above every priority so that a low priority waits longer but never forever.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import StartServer
+from tests.server.preempt_helpers import (
+    BASE,
+    PARK,
+    Completion,
+    complete,
+    complete_many,
+    metrics,
+    robust_prompts,
+    slots,
+    token_prompt,
+    wait_for,
+    wait_settled,
+)
+
+pytestmark = [pytest.mark.server]
+
+HIGH, LOW = 5, -1
+
+
+def n_decoded_max(url: str) -> int:
+    return max(
+        (s["next_token"][0]["n_decoded"] for s in slots(url) if s["is_processing"]), default=0
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "value"),
+    [
+        ("/completion", "high"),
+        ("/completion", 1.5),
+        ("/completion", None),
+        ("/v1/completions", "1"),
+        ("/v1/chat/completions", 2.5),
+        ("/completion", 10**9),
+    ],
+)
+def test_priority_must_be_an_integer(start_server: StartServer, path: str, value: object) -> None:
+    srv = start_server(args=[*BASE, *PARK, "-c", "256", "-np", "2"])
+    body: dict[str, object] = {"n_predict": 2, "priority": value}
+    if "chat" in path:
+        body["messages"] = [{"role": "user", "content": "hi"}]
+    else:
+        body["prompt"] = "hello"
+    r = httpx.post(srv.url + path, json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert "priority" in r.text
+    # and an integer is taken, on every completion route
+    for route in ("/completion", "/v1/completions"):
+        ok = httpx.post(srv.url + route, json={"prompt": "hello", "n_predict": 2, "priority": -3})
+        assert ok.status_code == 200, ok.text
+    assert srv.alive()
+
+
+def test_only_low_priority_requests_are_parked(start_server: StartServer) -> None:
+    """Two low-priority generations run; a high-priority one joins late, so it is the smallest
+    slot when the pool fills: without priorities it would be the one parked. With them, only
+    low-priority requests are parked, the high one never is, and every stream gets its solo
+    tokens."""
+    srv = start_server(args=[*BASE, *PARK, "-c", "512", "-np", "3"])
+    n = 200
+    low_prompts = robust_prompts(srv.url, 2, 8, n)
+    high_prompt = robust_prompts(srv.url, 1, 8, n, first_seed=50)[0]
+    solo = {tuple(p): complete(srv.url, p, n) for p in [*low_prompts, high_prompt]}
+
+    results: dict[str, list[Completion]] = {}
+
+    def lows() -> None:
+        results["low"] = complete_many(srv.url, low_prompts, n, priority=LOW)
+
+    t = threading.Thread(target=lows, daemon=True)
+    t.start()
+    wait_for(lambda: n_decoded_max(srv.url) >= 24, timeout=120, what="the low streams under way")
+    high = complete(srv.url, high_prompt, n, priority=HIGH)
+    t.join(300)
+
+    assert high.ok, high.error
+    assert high.preempt["parks"] == 0, "a high-priority request was parked while low ones ran"
+    assert sum(c.preempt["parks"] for c in results["low"]) >= 1, "the pool never overflowed"
+    for got, prompt in [(high, high_prompt), *zip(results["low"], low_prompts, strict=True)]:
+        ref = solo[tuple(prompt)]
+        assert got.ok, got.error
+        assert got.tokens == ref.tokens and len(got.tokens) == n
+    m = wait_settled(srv.url)
+    assert m["n_preempt_priority_high_total"] == 0
+    assert m["n_preempt_priority_low_total"] == m["n_preempt_total"] >= 1
+    assert m["requests_preempted"] == 0 and m["n_resume_total"] == m["n_preempt_total"]
+    assert any(s.get("priority") == HIGH for s in slots(srv.url)), slots(srv.url)
+
+
+def test_forced_parks_with_a_priority_change_nothing(start_server: StartServer) -> None:
+    args = [*BASE, *PARK, "-c", "512", "-np", "2"]
+    plain = start_server(args=args)
+    forced = start_server(args=args, env={"LLAMA_SERVER_PREEMPT_EVERY": "8"})
+    prompt = robust_prompts(plain.url, 1, 8, 64)[0]
+    ref = complete(plain.url, prompt, 64)
+    got = complete(forced.url, prompt, 64, priority=HIGH)
+    assert ref.ok and got.ok, (ref.error, got.error)
+    assert got.tokens == ref.tokens and got.content == ref.content
+    assert got.preempt["parks"] >= 6
+    assert metrics(forced.url)["n_preempt_priority_high_total"] >= 6
+
+
+def test_a_starving_low_priority_request_still_finishes(start_server: StartServer) -> None:
+    """High-priority requests keep the pool full without a pause; the low-priority one is parked
+    for them, yet once it has waited --preempt-aging seconds it ranks first and completes while
+    they are still coming."""
+    srv = start_server(args=[*BASE, *PARK, "-c", "512", "-np", "3", "--preempt-aging", "1"])
+    assert "--preempt-aging 1.0" in srv.log_text()
+    n_low = 160
+    low_prompt = robust_prompts(srv.url, 1, 8, n_low, first_seed=80)[0]
+    solo = complete(srv.url, low_prompt, n_low)
+
+    stop = threading.Event()
+    highs: list[Completion] = []
+
+    def high_load(seed: int) -> None:
+        while not stop.is_set():
+            highs.append(complete(srv.url, token_prompt(8, seed), 200, priority=HIGH))
+            seed += 2
+
+    low: list[Completion] = []
+    lt = threading.Thread(
+        target=lambda: low.append(complete(srv.url, low_prompt, n_low, priority=LOW))
+    )
+    lt.start()
+    wait_for(lambda: n_decoded_max(srv.url) >= 8, timeout=120, what="the low stream under way")
+    loaders = [threading.Thread(target=high_load, args=(s,), daemon=True) for s in (1000, 1001)]
+    for th in loaders:
+        th.start()
+    t0 = time.monotonic()
+    lt.join(240)
+    still_loaded = not stop.is_set() and all(th.is_alive() for th in loaders)
+    stop.set()
+    for th in loaders:
+        th.join(300)
+
+    assert low and low[0].ok, low[0].error if low else "the low-priority request never finished"
+    assert still_loaded, "the high-priority load ended before the low request finished"
+    assert low[0].preempt["parks"] >= 1, "the high-priority load never parked the low request"
+    assert low[0].tokens == solo.tokens
+    assert all(h.ok for h in highs), [h.error for h in highs if not h.ok]
+    assert time.monotonic() - t0 < 240
+    m = wait_settled(srv.url)
+    assert m["requests_preempted"] == 0 and m["n_resume_total"] == m["n_preempt_total"]
