@@ -105,6 +105,34 @@ class H11Stream:
                 self._request_method = event.method
             return event
 
+    async def next_body_piece(self, max_events: int) -> tuple[bytes, bool]:
+        """The body bytes of the next read, in one piece, and whether the message ended.
+
+        h11 returns one ``Data`` event per chunk, so a read full of tiny chunks
+        is thousands of events: at most ``max_events`` are parsed per call (the
+        rest stays in h11's buffer for the next call), and the pieces are joined
+        so the caller handles one ``bytes`` per call, not one per chunk.  Waits
+        for a read only when nothing is buffered; the caller yields between
+        calls.  Raises ``h11.RemoteProtocolError`` for a malformed or truncated
+        body (check :attr:`eof`).
+        """
+        conn = self.conn
+        parts: list[bytes] = []
+        for _ in range(max_events):
+            event = conn.next_event()
+            if event is h11.NEED_DATA:
+                if parts:
+                    break
+                conn.receive_data(await self._receive())
+                continue
+            if type(event) is h11.Data:
+                parts.append(event.data)
+            elif type(event) is h11.EndOfMessage:
+                return b"".join(parts), True
+            else:
+                raise h11.RemoteProtocolError(f"unexpected {type(event).__name__} in a body")
+        return b"".join(parts), False
+
     def buffered_event(self) -> h11.Event | None:
         """The next event if it can be parsed from bytes already read, else None (no I/O)."""
         event = self.conn.next_event()

@@ -36,7 +36,6 @@ __all__ = [
     "Config",
     "Option",
     "config_argv",
-    "environ_values",
     "parse_hostport",
     "parse_upstream",
 ]
@@ -99,18 +98,25 @@ class Config:
         "KEY", "Require 'Authorization: Bearer KEY' (or X-Api-Key) before forwarding (401)."))
     max_body: int = field(default=32 * MiB, metadata=_doc(
         "BYTES", "Largest request body (413 above)."))
+    body_buffer: int = field(default=1 * MiB, metadata=_doc(
+        "BYTES", "Request bodies up to this size are held in memory, larger ones (up to "
+        "--max-body) in a temporary file."))
     max_header_bytes: int = field(default=32 * 1024, metadata=_doc(
         "BYTES", "Largest request head (431 above)."))
     header_timeout: float = field(default=10.0, metadata=_doc(
         "SECONDS", "Time a client has for its whole request head, and for its first byte on "
         "a new connection (408)."))
-    body_timeout: float = field(default=60.0, metadata=_doc(
-        "SECONDS", "Longest wait for the next piece of a request body (408)."))
+    body_timeout: float = field(default=120.0, metadata=_doc(
+        "SECONDS", "Time a client has for its whole request body, which is read before "
+        "upstream is contacted (408)."))
     keepalive_timeout: float = field(default=75.0, metadata=_doc(
         "SECONDS", "An idle keep-alive connection (proxy or metrics listener) is closed after "
         "this long."))
     connect_timeout: float = field(default=5.0, metadata=_doc(
         "SECONDS", "Time to connect to upstream (504)."))
+    upstream_head_timeout: float = field(default=600.0, metadata=_doc(
+        "SECONDS", "Time upstream has for its response head once the request is sent (504); "
+        "llama-server sends it with the first token, or at the end when not streaming."))
     upstream_client: UpstreamClientName = field(default="h11", metadata=_doc(
         "h11|httpx", "Upstream HTTP client."))
     upstream_max_idle: int = field(default=64, metadata=_doc(
@@ -129,13 +135,13 @@ class Config:
             parse_hostport(self.metrics_listen)
         for name in (
             "park_keepalive", "idle_keepalive", "header_timeout", "body_timeout",
-            "keepalive_timeout", "connect_timeout",
+            "keepalive_timeout", "connect_timeout", "upstream_head_timeout",
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
         if self.early_open_after is not None and self.early_open_after <= 0:
             raise ValueError("early_open_after must be positive")
-        for name in ("drain_timeout", "max_body", "upstream_max_idle"):
+        for name in ("drain_timeout", "max_body", "body_buffer", "upstream_max_idle"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must not be negative")
         if self.max_header_bytes <= 0:

@@ -8,16 +8,18 @@ Theory of operation
 1. *Checks* before anything is forwarded: conflicting framing (both
    ``Content-Length`` and ``Transfer-Encoding``, RFC 9112 section 6.1: reject and
    close), ``--api-key``, a declared body over ``--max-body``.
-2. *Forward*: the request head goes upstream with hop-by-hop fields removed and
-   ``X-Forwarded-For``/``-Proto`` added; the body is streamed from the client as
-   the upstream client pulls it (``Expect: 100-continue`` is answered when the
-   body is first pulled, i.e. after the checks and the upstream connect).
-3. *Respond*: one task group per exchange holds
+2. *Buffer*: the whole request body is read before upstream is contacted
+   (``--body-timeout`` for all of it, ``--max-body``; ``Expect: 100-continue`` is
+   answered after the checks), so a slow upload never holds a llama-server
+   thread; bounded work per step, so tiny chunks cannot hold the loop.
+3. *Forward*: the request head goes upstream with hop-by-hop fields removed,
+   ``X-Forwarded-For``/``-Proto`` added and the body's ``Content-Length``.
+4. *Respond*: one task group per exchange holds
 
    * the main task: wait for the upstream head, send it downstream, then pump
      body chunks (the *upstream pump*);
-   * the *client-disconnect watcher*: once the request body is complete, a
-     read on the client socket that returns EOF means the client left; it
+   * the *client-disconnect watcher*: a read on the client socket that
+     returns EOF means the client left (the body is complete by now); it
      cancels the group, and the pump's ``finally`` closes the upstream
      connection at once so llama-server frees the slot;
    * the *keepalive ticker* (event streams only, and during early open): asks
@@ -27,7 +29,7 @@ Theory of operation
    end of message) happens under ``self.lock``; the SSE scanner is fed under
    the same lock, so the ticker sees the boundary state of exactly the bytes
    already written and can never put a comment inside an event.
-4. *Endings*: a clean upstream end sends the terminating chunk; an upstream
+5. *Endings*: a clean upstream end sends the terminating chunk; an upstream
    that dies mid-body leaves the client's response unterminated (the
    connection is closed without the last chunk, so the client sees an error
    instead of a silently truncated answer); errors before the head become a
@@ -58,7 +60,7 @@ import json
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
@@ -66,6 +68,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import h11
 
 from sidecar.adapter import H11Stream
@@ -97,7 +100,13 @@ from sidecar.keepalive import KeepalivePolicy, Reason
 from sidecar.metrics import Metrics, route_label, status_class
 from sidecar.notices import NoticeKind, ParkEnded, ParkStarted, ParkTracker, classify
 from sidecar.sse import SSEScanner
-from sidecar.upstream import H11Response, ResponseHead, UpstreamClient, UpstreamResponse
+from sidecar.upstream import (
+    H11Response,
+    RequestBody,
+    ResponseHead,
+    UpstreamClient,
+    UpstreamResponse,
+)
 
 __all__ = ["AccessRecord", "Context", "Exchange", "answer_error", "client_side", "reason"]
 
@@ -108,6 +117,9 @@ log = logging.getLogger("sidecar")
 PUBLIC_ROUTES = frozenset({b"/health", b"/v1/health"})
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 MAX_ERROR_BODY = 64 * 1024
+# Request body chunks parsed per step before the task yields (see _read_body): a
+# few milliseconds of h11's time even when every chunk holds a single byte.
+BODY_EVENTS_PER_STEP = 256
 # Keepalives are written at 90% of the interval: slack for event-loop lag.
 KEEPALIVE_LEAD = 0.1
 BOUNDARY_POLL = 0.01
@@ -252,7 +264,6 @@ class Exchange:
         self.scanner = SSEScanner()
         self.parks = ParkTracker()
         self.policy: KeepalivePolicy | None = None
-        self.body_done: anyio.Event = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
         self._error: SidecarError | None = None
         self._stream_tail = b""
@@ -320,16 +331,14 @@ class Exchange:
             given = given or get_header(raw, b"x-api-key")
             if given is None or not hmac.compare_digest(given, key.encode()):
                 raise Unauthorized("invalid or missing API key")
-        self._chunked_body = te is not None
         self._has_body = te is not None or (cl is not None and int(cl) > 0)
         accept = get_header(raw, b"accept") or b""
         self.wants_stream = b"text/event-stream" in accept.lower()
 
     def _upstream_headers(self) -> Headers:
+        """The request head for upstream; the body (if any) gets its Content-Length later."""
         req = self.request
         headers = filter_headers(req.headers.raw_items(), REQUEST_DROP)
-        if self._chunked_body:
-            headers.append((b"Transfer-Encoding", b"chunked"))
         if self.peer:
             prior = get_header(headers, b"x-forwarded-for")
             peer = self.peer.encode()
@@ -345,62 +354,80 @@ class Exchange:
 
     # ------------------------------------------------------------ request body
 
-    async def _request_body(self) -> AsyncGenerator[bytes, None]:
+    async def _read_body(self) -> RequestBody | None:
+        """The whole request body, read before upstream is contacted.
+
+        As nginx's request buffering does: a slow or stalled upload holds a
+        sidecar connection (cheap), never a llama-server HTTP thread.  The
+        body has ``body_timeout`` seconds in all (408), at most ``max_body``
+        bytes (413); up to ``body_buffer`` bytes stay in memory, the rest goes
+        to a temporary file.  At most ``BODY_EVENTS_PER_STEP`` chunks are
+        parsed before the task yields, so a body of tiny chunks cannot hold
+        the event loop.
+        """
         client = self.client
-        if client.conn.they_are_waiting_for_100_continue:
-            # RFC 9110 section 10.1.1: checks passed, upstream reached: go ahead.
+        if not self._has_body:
             with client_side(client):
-                await client.send(h11.InformationalResponse(status_code=100, headers=[]))
-        total = 0
+                event = await client.next_event()
+            if not isinstance(event, h11.EndOfMessage):
+                raise BadRequest("unexpected request body")
+            return None
+        cfg = self.config
+        body = RequestBody(cfg.body_buffer)
+        try:
+            with anyio.fail_after(cfg.body_timeout):
+                await self._fill_body(body)
+        except TimeoutError:
+            body.close()
+            raise RequestTimeout("request body not received in time") from None
+        except BaseException:
+            body.close()
+            raise
+        return body
+
+    async def _fill_body(self, body: RequestBody) -> None:
+        client = self.client
         limit = self.config.max_body
-        while True:
-            with client_side(client):
-                try:
-                    with anyio.fail_after(self.config.body_timeout):
-                        event = await client.next_event()
-                except TimeoutError:
-                    raise RequestTimeout("request body not received in time") from None
-            if isinstance(event, h11.Data):
-                data = bytes(event.data)
-                total += len(data)
-                self.rec.bytes_in = total
-                if total > limit:
+        with client_side(client):
+            if client.conn.they_are_waiting_for_100_continue:
+                # RFC 9110 section 10.1.1: the checks passed, so go ahead.
+                await client.send(h11.InformationalResponse(status_code=100, headers=[]))
+            while True:
+                data, end = await client.next_body_piece(BODY_EVENTS_PER_STEP)
+                if body.size + len(data) > limit:
                     raise PayloadTooLarge(f"request body exceeds {limit} bytes")
-                if not self.wants_stream:
+                body.append(data)
+                self.rec.bytes_in = body.size
+                if data and not self.wants_stream:
                     scan = self._stream_tail + data
                     self.wants_stream = _STREAM_TRUE.search(scan) is not None
                     self._stream_tail = scan[-32:]
-                yield data
-            elif isinstance(event, h11.EndOfMessage):
-                break
-            else:
-                raise BadRequest(f"unexpected {type(event).__name__} in request body")
-        self._body_complete()
-
-    async def _no_body(self) -> None:
-        with client_side(self.client):
-            event = await self.client.next_event()
-        if not isinstance(event, h11.EndOfMessage):
-            raise BadRequest("unexpected request body")
-        self._body_complete()
-
-    def _body_complete(self) -> None:
-        self.phase = "queued"
-        self.body_done.set()
+                if end:
+                    return
+                await anyio.lowlevel.checkpoint()  # one read's work, then the others
 
     # ------------------------------------------------------------------ relay
 
     async def _relay(self) -> None:
+        body = await self._read_body()
+        self.phase = "queued"
+        try:
+            await self._relay_body(body)
+        finally:
+            if body is not None:
+                body.close()
+
+    async def _relay_body(self, body: RequestBody | None) -> None:
         headers = self._upstream_headers()
-        if not self._has_body:
-            await self._no_body()
+        if body is not None:
+            headers = set_header(headers, b"Content-Length", b"%d" % body.size)
         async with anyio.create_task_group() as tg:
             self._tg = tg
             tg.start_soon(self._watch_client)
             if self.config.early_open_after is not None and self.request.method != b"HEAD":
                 tg.start_soon(self._early_open_timer, self.config.early_open_after)
             try:
-                await self._forward(headers)
+                await self._forward(headers, body)
             except SidecarError as exc:
                 self._error = exc
             finally:
@@ -411,9 +438,8 @@ class Exchange:
         if self.client_gone:
             raise ClientDisconnected("client closed the connection")
 
-    async def _forward(self, headers: Headers) -> None:
+    async def _forward(self, headers: Headers, body: RequestBody | None) -> None:
         req = self.request
-        body = self._request_body() if self._has_body else None
         try:
             resp = await self.ctx.upstream.request(req.method, req.target, headers, body)
         except UpstreamError as exc:
@@ -425,9 +451,6 @@ class Exchange:
             self.rec.outcome = "upstream_" + exc.kind
             self.metrics.upstream_errors.labels(exc.kind).inc()
             return
-        finally:
-            if body is not None:
-                await body.aclose()
         try:
             self.metrics.upstream_up.set(1)
             self.phase = "prompt"
@@ -556,7 +579,6 @@ class Exchange:
     # --------------------------------------------------------- helper tasks
 
     async def _watch_client(self) -> None:
-        await self.body_done.wait()
         await self.client.wait_for_eof()
         self.client_gone = True
         assert self._tg is not None
@@ -632,7 +654,6 @@ class Exchange:
             self._ka_timer = None
 
     async def _early_open_timer(self, after: float) -> None:
-        await self.body_done.wait()
         await anyio.sleep(after)
         async with self.lock:
             if self.upstream_answered or self.started or not self.wants_stream:

@@ -2,8 +2,9 @@
 
 Theory of operation
 -------------------
-The relay needs one operation: send a request whose body is an async iterator
-of bytes, get the response head, then read the raw body chunk by chunk, and be
+The relay needs one operation: send a request with its body (a
+:class:`RequestBody`, read in full from the client before this is called),
+get the response head, then read the raw body chunk by chunk, and be
 able to drop the connection at once (a client that goes away must free its
 llama-server slot within 100 ms, which happens when the server sees the socket
 close).  :class:`UpstreamClient` is that interface; two implementations exist
@@ -20,15 +21,14 @@ so the choice can be made by measurement (see ``docs/benchmarks.md``):
 Both map their failures to :mod:`sidecar.errors` classes: connect refused ->
 ``UpstreamConnectError``, connect timeout -> ``UpstreamTimeout``, connection
 lost mid-response -> ``UpstreamDisconnected``, garbage -> ``UpstreamProtocolError``.
-Exceptions raised by the request body iterator (the client side failing)
-propagate unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import select
-from collections.abc import AsyncIterator, Awaitable, Callable
+import tempfile
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -54,11 +54,16 @@ from sidecar.transport import TransportStream, connect
 __all__ = [
     "H11Upstream",
     "HttpxUpstream",
+    "RequestBody",
     "ResponseHead",
     "UpstreamClient",
     "UpstreamResponse",
     "make_upstream",
 ]
+
+
+# Interim (1xx) responses accepted before the final one; a flood of them is an error.
+MAX_INTERIM = 8
 
 
 @dataclass(slots=True)
@@ -67,6 +72,46 @@ class ResponseHead:
     reason: bytes
     headers: Headers
     framing_anomaly: bool = False  # e.g. both Content-Length and Transfer-Encoding
+
+
+class RequestBody:
+    """A request body read in full before upstream is contacted (request buffering).
+
+    Up to ``in_memory`` bytes are held in memory, the rest in an anonymous
+    temporary file (``tempfile.SpooledTemporaryFile``), as nginx does with
+    ``client_body_buffer_size``.  The body can be sent more than once (a retry
+    on a fresh connection) and is sent with a ``Content-Length``.
+    """
+
+    __slots__ = ("_file", "size")
+
+    SEND_SIZE = 64 * 1024
+
+    def __init__(self, in_memory: int) -> None:
+        self._file = tempfile.SpooledTemporaryFile(max_size=in_memory)  # noqa: SIM115
+        self.size = 0
+
+    def append(self, data: bytes) -> None:
+        if data:
+            self._file.write(data)
+            self.size += len(data)
+
+    def pieces(self) -> Iterator[bytes]:
+        """The body from the start, in pieces of up to ``SEND_SIZE`` bytes."""
+        self._file.seek(0)
+        while piece := self._file.read(self.SEND_SIZE):
+            yield piece
+
+    async def aiter(self) -> AsyncIterator[bytes]:
+        for piece in self.pieces():
+            yield piece
+
+    @property
+    def on_disk(self) -> bool:
+        return bool(getattr(self._file, "_rolled", False))
+
+    def close(self) -> None:
+        self._file.close()
 
 
 class UpstreamResponse(Protocol):
@@ -87,7 +132,7 @@ class UpstreamClient(Protocol):
         method: bytes,
         target: bytes,
         headers: Headers,
-        body: AsyncIterator[bytes] | None,
+        body: RequestBody | None,
     ) -> UpstreamResponse: ...
 
     async def aclose(self) -> None: ...
@@ -139,6 +184,7 @@ class H11Upstream:
     def __init__(self, config: Config) -> None:
         self.host, self.port, self.base_path = config.upstream_addr
         self.connect_timeout = config.connect_timeout
+        self.head_timeout = config.upstream_head_timeout
         self.max_idle = config.upstream_max_idle
         self._idle: list[H11Stream] = []
         self._closed = False
@@ -179,31 +225,26 @@ class H11Upstream:
         method: bytes,
         target: bytes,
         headers: Headers,
-        body: AsyncIterator[bytes] | None,
+        body: RequestBody | None,
     ) -> H11Response:
         if self.base_path:
             target = self.base_path.encode() + target
         for attempt in (0, 1):
             conn, reused = await self._checkout()
-            body_started = False
             try:
                 try:
-                    await conn.send(h11.Request(method=method, target=target, headers=headers))
-                    if body is not None:
-                        body_started = True
-                        async for chunk in body:
-                            await conn.send_data(chunk)
-                    await conn.send(h11.EndOfMessage())
-                except PEER_GONE as exc:
-                    raise UpstreamDisconnected("upstream closed while sending request") from exc
-                except OSError as exc:
-                    raise UpstreamDisconnected(f"upstream write failed: {exc}") from exc
-                head, chunked = await _read_head(conn, method)
+                    with anyio.fail_after(self.head_timeout):
+                        head, chunked = await self._exchange_head(conn, method, target,
+                                                                  headers, body)  # fmt: skip
+                except TimeoutError as exc:
+                    raise UpstreamTimeout(
+                        f"upstream sent no response head within {self.head_timeout:g} s"
+                    ) from exc
             except UpstreamDisconnected:
                 await conn.aclose()
                 # A pooled connection the server closed just now: retry once on a
-                # fresh one, unless part of the body was already consumed.
-                if reused and attempt == 0 and not body_started and conn.bytes_in_cycle == 0:
+                # fresh one (the body is buffered, so it can be sent again).
+                if reused and attempt == 0 and conn.bytes_in_cycle == 0:
                     continue
                 raise
             except BaseException:
@@ -211,6 +252,27 @@ class H11Upstream:
                 raise
             return H11Response(self, conn, head, chunked)
         raise AssertionError("unreachable")  # pragma: no cover
+
+    async def _exchange_head(
+        self,
+        conn: H11Stream,
+        method: bytes,
+        target: bytes,
+        headers: Headers,
+        body: RequestBody | None,
+    ) -> tuple[ResponseHead, bool]:
+        """Send the request, read the response head (``head_timeout`` covers both)."""
+        try:
+            await conn.send(h11.Request(method=method, target=target, headers=headers))
+            if body is not None:
+                for piece in body.pieces():
+                    await conn.send_data(piece)
+            await conn.send(h11.EndOfMessage())
+        except PEER_GONE as exc:
+            raise UpstreamDisconnected("upstream closed while sending request") from exc
+        except OSError as exc:
+            raise UpstreamDisconnected(f"upstream write failed: {exc}") from exc
+        return await _read_head(conn, method)
 
     async def aclose(self) -> None:
         self._closed = True
@@ -221,7 +283,7 @@ class H11Upstream:
 
 async def _read_head(conn: H11Stream, method: bytes) -> tuple[ResponseHead, bool]:
     """The response head, and whether its body is chunked and decoded by us."""
-    while True:
+    for _ in range(MAX_INTERIM + 1):
         event = await _next(conn)
         if isinstance(event, h11.Response):
             head = ResponseHead(event.status_code, event.reason, list(event.headers.raw_items()))
@@ -243,6 +305,7 @@ async def _read_head(conn: H11Stream, method: bytes) -> tuple[ResponseHead, bool
         if isinstance(event, h11.InformationalResponse):
             continue  # 1xx from upstream: the sidecar answers Expect itself
         raise UpstreamProtocolError(f"unexpected {type(event).__name__} before response")
+    raise UpstreamProtocolError(f"more than {MAX_INTERIM} interim (1xx) responses")
 
 
 async def _next(conn: H11Stream) -> h11.Event:
@@ -504,6 +567,7 @@ class H11Response:
 class HttpxUpstream:
     def __init__(self, config: Config) -> None:
         self.host, self.port, self.base_path = config.upstream_addr
+        self.head_timeout = config.upstream_head_timeout
         self.client = httpx.AsyncClient(
             timeout=httpx.Timeout(connect=config.connect_timeout, read=None, write=None, pool=None),
             limits=httpx.Limits(
@@ -517,7 +581,7 @@ class HttpxUpstream:
         method: bytes,
         target: bytes,
         headers: Headers,
-        body: AsyncIterator[bytes] | None,
+        body: RequestBody | None,
     ) -> HttpxResponse:
         url = httpx.URL(
             scheme="http",
@@ -526,14 +590,22 @@ class HttpxUpstream:
             raw_path=self.base_path.encode() + target,
         )
         fwd = [(n, v) for n, v in headers if n.lower() != b"transfer-encoding"]
-        request = self.client.build_request(method.decode("ascii"), url, headers=fwd, content=body)
+        content = None if body is None else body.aiter()
+        request = self.client.build_request(
+            method.decode("ascii"), url, headers=fwd, content=content
+        )
         # httpx adds default headers (Accept-Encoding would change the response).
         given = {n.lower() for n, _ in fwd}
         for name in (b"accept", b"accept-encoding", b"user-agent", b"connection"):
             if name not in given and name.decode() in request.headers:
                 del request.headers[name.decode()]
         try:
-            response = await self.client.send(request, stream=True)
+            with anyio.fail_after(self.head_timeout):
+                response = await self.client.send(request, stream=True)
+        except TimeoutError as exc:
+            raise UpstreamTimeout(
+                f"upstream sent no response head within {self.head_timeout:g} s"
+            ) from exc
         except httpx.ConnectTimeout as exc:
             raise UpstreamTimeout(f"connect to {self.host}:{self.port} timed out") from exc
         except httpx.ConnectError as exc:

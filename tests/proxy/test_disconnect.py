@@ -63,18 +63,14 @@ async def test_disconnect_closes_upstream_fast(
 
 async def test_disconnect_during_upload(fake: FakeUpstream, sidecar: Sidecar) -> None:
     conn = await RawConn.open(sidecar.url)
-    seen = fake.request_seen
     await conn.send(
         b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\n" + b"a" * 1000
     )
     await anyio.sleep(0.3)
-    closed_at = await conn.close()
-    assert not seen.is_set()
-    with anyio.fail_after(2):
-        await fake.conns[-1].closed.wait()
-    assert fake.conns[-1].closed_at is not None
-    assert fake.conns[-1].closed_at - closed_at <= 0.1
+    await conn.close()
     with anyio.fail_after(2):
         while sidecar.ctx.active:
             await anyio.sleep(0.01)
     assert sidecar.metrics.client_disconnects.labels("request")._value.get() == 1
+    # The body is read in full before upstream is contacted: it never was.
+    assert fake.conns == []

@@ -133,11 +133,13 @@ SAMPLES: dict[str, object] = {
     "drain_timeout": 7.0,
     "api_key": "secret",
     "max_body": 12345,
+    "body_buffer": 999,
     "max_header_bytes": 4096,
     "header_timeout": 2.5,
     "body_timeout": 9.0,
     "keepalive_timeout": 11.0,
     "connect_timeout": 1.5,
+    "upstream_head_timeout": 30.0,
     "upstream_client": "httpx",
     "upstream_max_idle": 3,
     "ready_poll": 0.5,
@@ -193,7 +195,7 @@ def test_proxy_help_lists_every_flag_and_variable() -> None:
 
     from sidecar.cli import app
 
-    result = CliRunner().invoke(app, ["proxy", "--help"], terminal_width=300)
+    result = CliRunner().invoke(app, ["proxy", "--help"], env={"COLUMNS": "300"})
     assert result.exit_code == 0
     for o in OPTIONS:
         assert o.flag in result.output and o.env in result.output, o.name

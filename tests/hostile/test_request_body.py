@@ -1,0 +1,152 @@
+"""Findings 2 and 6: request bodies are read in full, in bounded steps, before upstream.
+
+6. A slow body held a llama-server HTTP thread for as long as the client liked (200
+   clients sending 1 byte of a 100 kB body: 205 server threads), and the 60 s body
+   timeout was per read.  Bodies are now buffered (memory, then a temporary file)
+   before the upstream connection is opened, with one deadline for the whole body.
+2. A body of 1-byte chunks was parsed and written upstream one h11 event at a time with
+   no await point that yields: seconds of CPU during which no other stream got a byte.
+   Now at most a few hundred chunks are parsed per step, the loop yields between
+   steps, and upstream gets the body in large writes.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+from sidecar.server import Sidecar, ephemeral_config, start_subprocess
+from tests.hostile.load import (
+    CHUNK_FLOOD,
+    PARK_ROUTE,
+    HealthProbe,
+    ParkedStream,
+    chunk_flood,
+    parked_script,
+)
+from tests.proxy.conftest import SidecarFactory
+from tests.proxy.fake_upstream import FakeUpstream, fake_upstream_in_thread
+from tests.proxy.rawclient import RawConn
+
+
+@pytest.mark.anyio
+async def test_slow_bodies_hold_no_upstream_connection(
+    fake: FakeUpstream, sidecar: Sidecar
+) -> None:
+    clients = [await RawConn.open(sidecar.url) for _ in range(50)]
+    try:
+        for c in clients:
+            await c.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 100000\r\n\r\na")
+        await anyio.sleep(0.5)
+        assert fake.conns == []  # llama-server would have 50 threads waiting
+        await clients[0].send(b"b" * 99_999)
+        resp = await clients[0].read_response()
+        assert resp.status == 200 and resp.body == b"a" + b"b" * 99_999
+        assert len(fake.conns) == 1
+        head = fake.requests[0]
+        assert dict(head.headers)[b"Content-Length"] == b"100000"
+    finally:
+        for c in clients:
+            await c.close()
+
+
+@pytest.mark.anyio
+async def test_one_deadline_for_the_whole_body(
+    fake: FakeUpstream, sidecar_factory: SidecarFactory
+) -> None:
+    """A byte every 0.2 s never trips a per-read timeout; the total deadline does."""
+    async with (
+        sidecar_factory(fake.url, body_timeout=1.0) as sc,
+        await RawConn.open(sc.url) as c,
+    ):
+        await c.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+        t0 = time.monotonic()
+        async with anyio.create_task_group() as tg:
+
+            async def drip() -> None:
+                while True:
+                    await c.send(b"a")
+                    await anyio.sleep(0.2)
+
+            tg.start_soon(drip)
+            status_line = await c.read_until(b"\r\n", timeout=5)
+            tg.cancel_scope.cancel()
+        assert status_line.startswith(b"HTTP/1.1 408 Request Timeout")
+        assert 0.9 < time.monotonic() - t0 < 2.0
+        assert fake.conns == []
+
+
+@pytest.mark.anyio
+async def test_chunked_body_over_the_limit_gets_413(
+    fake: FakeUpstream, sidecar_factory: SidecarFactory
+) -> None:
+    async with (
+        sidecar_factory(fake.url, max_body=10_000) as sc,
+        await RawConn.open(sc.url) as c,
+    ):
+        await c.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await c.send(b"1000\r\n" + b"a" * 4096 + b"\r\n" * 1)
+        await c.send(b"2000\r\n" + b"a" * 8192 + b"\r\n")
+        resp = await c.read_response()
+        assert resp.status == 413 and resp.reason  # "Content Too Large" (RFC 9110)
+    assert fake.conns == []
+
+
+@pytest.mark.anyio
+async def test_a_body_larger_than_the_buffer_spills_and_arrives_intact(
+    fake: FakeUpstream, sidecar_factory: SidecarFactory
+) -> None:
+    body = bytes(range(256)) * 4000  # 1 MB
+    async with (
+        sidecar_factory(fake.url, body_buffer=64 * 1024) as sc,
+        await RawConn.open(sc.url) as c,
+    ):
+        await c.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for i in range(0, len(body), 3000):
+            piece = body[i : i + 3000]
+            await c.send(b"%x\r\n%b\r\n" % (len(piece), piece))
+        await c.send(b"0\r\n\r\n")
+        resp = await c.read_response()
+        assert resp.status == 200 and resp.body == body
+    assert fake.requests[0].body == body
+
+
+@pytest.mark.slow
+def test_a_chunk_flood_stalls_no_other_stream() -> None:
+    """50,000 one-byte chunks per upload, uploaded back to back during a 5 s park.
+
+    The old code spent seconds per upload without yielding: the parked stream went
+    4.5 s without a byte (its promise is the 1 s park keepalive) and /healthz waited 6 s.
+    """
+    with fake_upstream_in_thread() as fake:
+        fake.route(PARK_ROUTE, parked_script(5.0))
+        proc = start_subprocess(ephemeral_config(fake.url))
+        try:
+            assert proc.metrics_url is not None
+            probe = HealthProbe(proc.metrics_url.removesuffix("/metrics")).start()
+            stream = ParkedStream(proc.url).start()
+            rounds = anyio.run(_flood_during, stream, proc.url)
+            stream.join(30)
+            probe.stop()
+        finally:
+            proc.terminate()
+    gap = stream.longest_park_gap()
+    assert gap <= 1.0 + 0.1, f"longest silence while parked {gap:.3f} s"
+    assert max(probe.latencies) < 0.25, f"/healthz took up to {max(probe.latencies):.3f} s"
+    assert not probe.failures, probe.failures
+    assert stream.body.count(b": preempt-keepalive") >= 3
+    assert rounds >= 2, "the uploads did not get through"
+
+
+async def _flood_during(stream: ParkedStream, url: str) -> int:
+    with anyio.fail_after(10):
+        while not any(b": preempted" in d for _, d in stream.reads):
+            await anyio.sleep(0.01)
+    rounds = 0
+    with anyio.move_on_after(4.5):
+        while True:
+            rounds += await chunk_flood(url, rounds=1)
+    assert len(CHUNK_FLOOD) == 300_000
+    return rounds

@@ -1,0 +1,85 @@
+"""Finding 7: a deadline on the upstream response head, and a cap on interim responses.
+
+An upstream that never answered, dripped its header lines, or looped on ``100 Continue``
+left the client waiting for ever (and a flood of 1xx cost CPU).  Now the head has
+``upstream_head_timeout`` seconds from the moment the request is sent (504), and more
+than ``MAX_INTERIM`` interim responses are a protocol error (502).  Either way the
+upstream connection is closed, never pooled.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import pytest
+
+from sidecar.upstream import MAX_INTERIM
+from tests.proxy.conftest import SidecarFactory
+from tests.proxy.fake_upstream import FakeUpstream, Script
+from tests.proxy.rawclient import RawConn
+
+pytestmark = pytest.mark.anyio
+
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+DRIP: Script = [
+    ("raw", b"HTTP/1.1 200 OK\r\n"),
+    *[x for _ in range(100) for x in (("sleep", 0.1), ("raw", b"X-Drip: 1\r\n"))],
+]
+SLOW_CONTINUES: Script = [x for _ in range(100) for x in (("raw", CONTINUE), ("sleep", 0.1))]
+CASES: dict[str, tuple[Script, int]] = {
+    "never_answers": ([("hang",)], 504),
+    "drips_header_lines": (DRIP, 504),
+    "continue_flood": ([("raw", CONTINUE * 10_000), ("hang",)], 502),
+    "slow_continue_loop": (SLOW_CONTINUES, 504),  # the deadline covers interim responses
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(CASES))
+async def test_upstream_head_has_a_deadline(
+    fake: FakeUpstream, sidecar_factory: SidecarFactory, case: str
+) -> None:
+    script, status = CASES[case]
+    fake.route("/slow", script)
+    async with sidecar_factory(fake.url, upstream_head_timeout=0.5) as sc:
+        async with await RawConn.open(sc.url) as c:
+            t0 = time.monotonic()
+            await c.send(b"GET /slow HTTP/1.1\r\nHost: x\r\n\r\n")
+            resp = await c.read_response(timeout=5)
+            took = time.monotonic() - t0
+            assert resp.status == status, resp.body
+            assert resp.reason
+            assert took < 1.5
+        with anyio.fail_after(2):
+            await fake.conns[-1].closed.wait()  # closed, not pooled
+        kind = "timeout" if status == 504 else "protocol"
+        assert sc.metrics.upstream_errors.labels(kind)._value.get() == 1
+
+
+async def test_a_few_interim_responses_are_fine(
+    fake: FakeUpstream, sidecar_factory: SidecarFactory
+) -> None:
+    fake.route("/ok", [("raw", CONTINUE * MAX_INTERIM + b"HTTP/1.1 200 OK\r\n"
+                                                      b"Content-Length: 2\r\n\r\nok")])  # fmt: skip
+    async with sidecar_factory(fake.url) as sc, await RawConn.open(sc.url) as c:
+        await c.send(b"GET /ok HTTP/1.1\r\nHost: x\r\n\r\n")
+        resp = await c.read_response()
+        assert (resp.status, resp.body) == (200, b"ok")
+
+
+async def test_a_slow_head_within_the_deadline_is_relayed(
+    fake: FakeUpstream, sidecar_factory: SidecarFactory
+) -> None:
+    """The deadline is for the head only: a long stream after it is not cut."""
+    fake.route("/v1/chat/completions", [
+        ("sleep", 0.3), ("raw", b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                                b"Transfer-Encoding: chunked\r\n\r\n"),
+        *[x for i in range(8) for x in (("sleep", 0.2), ("raw", b"a\r\ndata: %d\n\n\r\n" % i))],
+        ("raw", b"0\r\n\r\n")])  # fmt: skip
+    async with (
+        sidecar_factory(fake.url, upstream_head_timeout=0.5) as sc,
+        await RawConn.open(sc.url) as c,
+    ):
+        await c.send(b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")
+        resp = await c.read_response(timeout=5)
+        assert resp.status == 200 and resp.body.count(b"data: ") == 8
