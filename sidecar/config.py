@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
+from sidecar.priority import PriorityRules, parse_priority_keys, priority_value
+
 __all__ = [
     "ENV_PREFIX",
     "OPTIONS",
@@ -122,10 +124,20 @@ class Config:
     upstream_max_idle: int = field(default=64, metadata=_doc(
         "N", "Idle upstream keep-alive connections kept in the pool."))
     ready_poll: float = field(default=1.0, metadata=_doc(
-        "SECONDS", "How often /ready reads llama-server's /metrics (parked requests)."))
+        "SECONDS", "How often /ready reads llama-server's /metrics (parked requests); 0 turns "
+        "readiness off (no polling, /ready answers 503)."))
     ready_min_free_kv: float = field(default=0.0, metadata=_doc(
         "SHARE", "/ready answers 503 while less than this share (0 to 1) of the KV pool is free; "
         "needs the server's kv_cells gauges. Parked requests always make it 503."))
+    priority_keys: str | None = field(default=None, metadata=_doc(
+        "KEY=N,...", "Request priority by API key ('KEY=10,OTHER=-5'), set as \"priority\" on "
+        "the JSON body of completion requests (llama-server parks the lowest first)."))
+    priority_header: str | None = field(default=None, metadata=_doc(
+        "HEADER", "Take the priority from this request header (X-Priority, say) when the key "
+        "has none; name only a header that a trusted hop sets or strips."))
+    priority_default: int = field(default=0, metadata=_doc(
+        "N", "Priority of the requests no rule matches, once any priority rule is set "
+        "(a client's own \"priority\" field is then always overwritten)."))
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -146,12 +158,23 @@ class Config:
                 raise ValueError(f"{name} must not be negative")
         if self.max_header_bytes <= 0:
             raise ValueError("max_header_bytes must be positive")
-        if self.ready_poll <= 0:
-            raise ValueError("ready_poll must be positive")
+        if self.ready_poll < 0:
+            raise ValueError("ready_poll must not be negative")
         if not 0.0 <= self.ready_min_free_kv < 1.0:
             raise ValueError("ready_min_free_kv is a share of the pool: 0 <= share < 1")
+        # the priority options parse: a bad key list is a startup error, not a per-request one
+        _ = self.priority_rules
         if self.upstream_client not in ("h11", "httpx"):
             raise ValueError("upstream_client must be 'h11' or 'httpx'")
+
+    @property
+    def priority_rules(self) -> PriorityRules:
+        header = self.priority_header.strip().lower().encode() if self.priority_header else None
+        if header is not None and not header.replace(b"-", b"").isalnum():
+            raise ValueError(f"priority_header: not a header name: {self.priority_header!r}")
+        by_key = parse_priority_keys(self.priority_keys)
+        default = priority_value(self.priority_default, "priority_default")
+        return PriorityRules(by_key, header, default)
 
     @property
     def listen_addr(self) -> tuple[str, int]:

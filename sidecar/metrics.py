@@ -146,6 +146,13 @@ class Metrics:
         self.upstream_up = Gauge(
             f"{p}_upstream_up", "1 if the last upstream connect succeeded", registry=r
         )
+        self.priority_requests = Counter(
+            f"{p}_priority_requests",
+            "Completion bodies given the operator's priority (set), or forwarded unchanged "
+            "because they are not a JSON object (unparsed)",
+            ["outcome"],
+            registry=r,
+        )
         self.ready = Gauge(
             f"{p}_ready",
             "1 while /ready answers 200 (no parked requests upstream), else 0",
@@ -170,3 +177,5 @@ class Metrics:
             self.upstream_errors.labels(kind)
         for direction in ("request", "response"):
             self.bytes.labels(direction)
+        for outcome in ("set", "unparsed"):
+            self.priority_requests.labels(outcome)

@@ -81,15 +81,19 @@ class Readiness:
     """The readiness policy over the latest reading of llama-server's metrics."""
 
     def __init__(self, poll_interval: float, min_free_kv: float = 0.0) -> None:
-        if poll_interval <= 0:
-            raise ValueError("poll_interval must be positive")
+        if poll_interval < 0:
+            raise ValueError("poll_interval must not be negative (0: readiness off)")
         if not 0.0 <= min_free_kv < 1.0:
             raise ValueError("min_free_kv is a share of the pool: 0 <= share < 1")
         self.poll_interval = poll_interval
         self.min_free_kv = min_free_kv
         self._at: float | None = None  # time of the last successful reading
         self._samples: dict[str, float] = {}
-        self._failure: str | None = "no reading from llama-server yet"
+        self._failure: str | None = (
+            "no reading from llama-server yet"
+            if poll_interval > 0
+            else "readiness is off (--ready-poll 0)"
+        )
         self.flips = 0  # how often the verdict changed between readings
         self._last_ready: bool | None = None
 

@@ -69,6 +69,7 @@ from typing import Any
 import anyio
 import anyio.abc
 import anyio.lowlevel
+import anyio.to_thread
 import h11
 
 from sidecar.adapter import H11Stream
@@ -99,6 +100,7 @@ from sidecar.headers import (
 from sidecar.keepalive import KeepalivePolicy, Reason
 from sidecar.metrics import Metrics, route_label, status_class
 from sidecar.notices import NoticeKind, ParkEnded, ParkStarted, ParkTracker, classify
+from sidecar.priority import PRIORITY_ROUTES, PriorityRules, with_priority
 from sidecar.sse import SSEScanner
 from sidecar.upstream import (
     H11Response,
@@ -120,6 +122,8 @@ MAX_ERROR_BODY = 64 * 1024
 # Request body chunks parsed per step before the task yields (see _read_body): a
 # few milliseconds of h11's time even when every chunk holds a single byte.
 BODY_EVENTS_PER_STEP = 256
+# bodies larger than this get their priority set on a worker thread (JSON parse and dump)
+PRIORITY_INLINE_PARSE = 256 * 1024
 # Keepalives are written at 90% of the interval: slack for event-loop lag.
 KEEPALIVE_LEAD = 0.1
 BOUNDARY_POLL = 0.01
@@ -156,6 +160,10 @@ class Context:
     draining: bool = False
     active: int = 0
     clock: Any = time.monotonic
+    priority: PriorityRules = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.priority = self.config.priority_rules
 
 
 @dataclass
@@ -267,6 +275,7 @@ class Exchange:
         self._tg: anyio.abc.TaskGroup | None = None
         self._error: SidecarError | None = None
         self._stream_tail = b""
+        self._key_given: str | None = None  # the API key the client sent, if any
         self._loop = asyncio.get_running_loop()
         self._ka_timer: asyncio.TimerHandle | None = None
         self._ka_stopped = False
@@ -324,13 +333,14 @@ class Exchange:
             raise BadRequest("both Content-Length and Transfer-Encoding present")
         if cl is not None and int(cl) > self.config.max_body:
             raise PayloadTooLarge(f"request body of {int(cl)} bytes exceeds {self.config.max_body}")
+        auth = get_header(raw, b"authorization") or b""
+        given = auth[7:].strip() if auth[:7].lower() == b"bearer " else None
+        given = given or get_header(raw, b"x-api-key")
+        self._key_given = None if given is None else given.decode("latin-1")
         key = self.config.api_key
-        if key and req.target.split(b"?", 1)[0] not in PUBLIC_ROUTES:
-            auth = get_header(raw, b"authorization") or b""
-            given = auth[7:].strip() if auth[:7].lower() == b"bearer " else None
-            given = given or get_header(raw, b"x-api-key")
-            if given is None or not hmac.compare_digest(given, key.encode()):
-                raise Unauthorized("invalid or missing API key")
+        public = req.target.split(b"?", 1)[0] in PUBLIC_ROUTES
+        if key and not public and (given is None or not hmac.compare_digest(given, key.encode())):
+            raise Unauthorized("invalid or missing API key")
         self._has_body = te is not None or (cl is not None and int(cl) > 0)
         accept = get_header(raw, b"accept") or b""
         self.wants_stream = b"text/event-stream" in accept.lower()
@@ -408,8 +418,38 @@ class Exchange:
 
     # ------------------------------------------------------------------ relay
 
+    async def _with_priority(self, body: RequestBody | None) -> RequestBody | None:
+        """The body with the operator's ``priority`` set (sidecar/priority.py) where it applies.
+
+        Only JSON completion bodies, and only once a priority rule is configured; a body that
+        does not parse as a JSON object goes through unchanged and is counted.  A large
+        body is parsed on a worker thread so that the event loop keeps serving.
+        """
+        rules, req = self.ctx.priority, self.request
+        route = req.target.split(b"?", 1)[0]
+        if body is None or not rules.active or req.method != b"POST":
+            return body
+        if route not in PRIORITY_ROUTES:
+            return body
+        header = get_header(req.headers.raw_items(), rules.header) if rules.header else None
+        priority = rules.priority_for(self._key_given, header)
+        raw = b"".join(body.pieces())
+        if len(raw) > PRIORITY_INLINE_PARSE:
+            rewritten = await anyio.to_thread.run_sync(with_priority, raw, priority)
+        else:
+            rewritten = with_priority(raw, priority)
+        if rewritten is None:
+            self.metrics.priority_requests.labels("unparsed").inc()
+            return body
+        body.close()
+        body = RequestBody(self.config.body_buffer)
+        body.append(rewritten)
+        self.metrics.priority_requests.labels("set").inc()
+        self.rec.extra["priority"] = priority
+        return body
+
     async def _relay(self) -> None:
-        body = await self._read_body()
+        body = await self._with_priority(await self._read_body())
         self.phase = "queued"
         try:
             await self._relay_body(body)

@@ -176,7 +176,8 @@ class Sidecar:
                     conns.start_soon(
                         self._accept_loop, mlistener, self._handle_metrics, metrics_scope
                     )
-                    conns.start_soon(self._poll_readiness)
+                    if self.config.ready_poll > 0:
+                        conns.start_soon(self._poll_readiness)
                 log.debug(
                     "listening on %s metrics %s upstream %s",
                     self.url,
@@ -461,6 +462,8 @@ def ephemeral_config(upstream: str, **overrides: object) -> Config:
         "listen": "127.0.0.1:0",
         "metrics_listen": "127.0.0.1:0",
         "upstream": upstream,
+        # no readiness polling unless a test asks for it: it would add requests upstream
+        "ready_poll": 0.0,
     }
     values.update(overrides)
     return Config(**values)  # type: ignore[arg-type]

@@ -144,6 +144,9 @@ SAMPLES: dict[str, object] = {
     "upstream_max_idle": 3,
     "ready_poll": 0.5,
     "ready_min_free_kv": 0.25,
+    "priority_keys": "gold=10,batch=-5",
+    "priority_header": "X-Priority",
+    "priority_default": -1,
 }
 
 

@@ -29,7 +29,7 @@ def test_parse_priority_keys_rejects(spec: str) -> None:
         parse_priority_keys(spec)
 
 
-RULES = PriorityRules(by_key={"gold": 10, "batch": -5}, trust_header=True, default=1)
+RULES = PriorityRules(by_key={"gold": 10, "batch": -5}, header=b"x-priority", default=1)
 
 
 @pytest.mark.parametrize(
@@ -55,7 +55,7 @@ def test_priority_for(
 def test_active_only_with_a_rule() -> None:
     assert not PriorityRules().active
     assert PriorityRules(default=-1).active
-    assert PriorityRules(trust_header=True).active
+    assert PriorityRules(header=b"x-priority").active
     assert PriorityRules(by_key={"k": 0}).active
 
 

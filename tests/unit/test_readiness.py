@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.readiness import KV_TOTAL, KV_USED, PARKED, Readiness, parse_samples
+from sidecar.readiness import KV_TOTAL, KV_USED, PARKED, Readiness, Verdict, parse_samples
 
 
 def text(**samples: float) -> str:
@@ -67,7 +67,12 @@ def test_flips_count_changes_of_verdict() -> None:
     assert r.flips == 4
 
 
-@pytest.mark.parametrize(("poll", "share"), [(0.0, 0.0), (-1.0, 0.0), (1.0, 1.0), (1.0, -0.1)])
+def test_off_is_never_ready() -> None:
+    r = Readiness(0.0)
+    assert r.verdict(5.0) == Verdict(False, "readiness is off (--ready-poll 0)")
+
+
+@pytest.mark.parametrize(("poll", "share"), [(-1.0, 0.0), (1.0, 1.0), (1.0, -0.1)])
 def test_rejects_settings_it_cannot_take(poll: float, share: float) -> None:
     with pytest.raises(ValueError):
         Readiness(poll, share)
