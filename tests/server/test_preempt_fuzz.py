@@ -55,7 +55,7 @@ from tests.server.preempt_helpers import (
 
 pytestmark = [pytest.mark.server]
 
-# seeds that failed on the series before issue 10's fixes (see docs/PREEMPTION-TESTING.md), and
+# seeds that failed on the series before issue 10's fixes (see docs/preemption.md, "Testing"), and
 # the first few seeds: a couple of minutes on two cores
 DEFAULT_SEEDS = [0, 1, 2, 3, 4, 5, 6, 7]
 
@@ -143,6 +143,10 @@ def plan_seed(seed: int) -> tuple[ServerPlan, list[RequestPlan]]:
     # second goes by recompute
     ram_mib = rng.choice([8192, 8192, 8192, 1, -1])
     draft = rng.random() < 0.2
+    if draft:
+        # every generating slot adds its sampled token and a draft of up to 4 to one batch: stock
+        # llama-server asserts when the batch cannot hold them (-b 8 with two drafting slots)
+        n_batch = max(n_batch, 64)
     server = ServerPlan(n_slots, pool, n_batch, n_ubatch, ram_mib, env, draft)
 
     requests: list[RequestPlan] = []
@@ -150,9 +154,9 @@ def plan_seed(seed: int) -> tuple[ServerPlan, list[RequestPlan]]:
     family_used = False
     for i in range(n_requests):
         kind = rng.choices(["single", "multi", "family"], [6, 2, 2])[0]
-        if kind == "family" and family_used:
+        if kind == "family" and (family_used or n_slots < 2):
             # two families that together overflow cannot be served: a family is never parked
-            # (its members share cells); see docs/PREEMPTION-TESTING.md
+            # (its members share cells), see docs/preemption.md; n_cmpl needs as many slots
             kind = "single"
         n_prompts = rng.randint(2, 3) if kind == "multi" else 1
 
@@ -291,6 +295,14 @@ def check_final(plan: RequestPlan, server: ServerPlan, idx: int, final: dict[str
     assert final["tokens_evaluated"] == n_prompt, ("tokens_evaluated", final["tokens_evaluated"])
     n_gen = int(final["tokens_predicted"])
     limit = min(plan.n_predict, server.pool - n_prompt)
+    if server.draft and plan.n_predict > server.pool - n_prompt - 6:
+        # stock llama-server with a draft model stops up to a draft early at the context limit and
+        # then reports the cells it holds (measured on the stock build: 429-430 tokens of 431 and
+        # tokens_cached 511 for an 81-token prompt in 512 cells), with or without preemption
+        assert limit - 5 <= n_gen <= limit, ("tokens_predicted", n_gen, "expected", limit)
+        assert n_prompt + n_gen - 1 <= final["tokens_cached"] < server.pool, (
+            "tokens_cached", final["tokens_cached"], "prompt", n_prompt, "generated", n_gen)
+        return
     assert n_gen == limit, ("tokens_predicted", n_gen, "expected", limit)
     assert final["tokens_cached"] == n_prompt + n_gen - 1, (
         "tokens_cached", final["tokens_cached"], "prompt", n_prompt, "generated", n_gen)
