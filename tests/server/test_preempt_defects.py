@@ -281,3 +281,27 @@ def test_restore_admission_counts_the_draft(start_server: StartServer, tiny_mode
     assert m["n_preempt_total"] >= 1
     assert count_lines(srv.log_text(), LAST_RESORT_LINE) == 0
     assert metrics(srv.url)["n_resume_total"] == m["n_preempt_total"]
+
+
+# item 8: a multi-prompt non-streamed OAI response --------------------------------------------
+
+
+def test_merged_oai_response_sums_the_preempt_records(start_server: StartServer) -> None:
+    """/v1/completions with two prompts, not streamed, answers one object whose choices are the
+    prompts: its `preempt` record must count the parks of both (it kept the first prompt's)."""
+    srv = start_server(args=[*BASE, *PARK, "-c", "512", "-np", "2"],
+                       env={"LLAMA_SERVER_PREEMPT_EVERY": "8"})
+
+    def oai(prompt: list[int] | list[list[int]]) -> dict[str, Any]:
+        r = httpx.post(f"{srv.url}/v1/completions", timeout=120, json={
+            "prompt": prompt, "max_tokens": 64, "temperature": 0.0, "ignore_eos": True,
+            "logit_bias": {str(t): -100 for t, _ in BAN_BYTE_TOKENS}})
+        assert r.status_code == 200, r.text[:400]
+        return dict(r.json())
+
+    one = oai(token_prompt(8, 14))["preempt"]
+    assert one["parks"] >= 6, one
+    both = oai([token_prompt(8, 14), token_prompt(8, 15)])
+    assert len(both["choices"]) == 2
+    # forced parks come every 8 generated tokens of each prompt: the same count for both
+    assert both["preempt"] == {"parks": 2 * one["parks"], "recomputes": 0}, both["preempt"]
