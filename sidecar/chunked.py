@@ -65,7 +65,11 @@ def whole_chunks(data: bytes) -> tuple[bytes, int]:
 
 
 class ChunkedError(ValueError):
-    pass
+    """Malformed framing; ``partial`` is the data of the complete chunks before it."""
+
+    def __init__(self, message: str, partial: bytes = b"") -> None:
+        super().__init__(message)
+        self.partial = partial
 
 
 class ChunkedDecoder:
@@ -90,12 +94,24 @@ class ChunkedDecoder:
         return self._buf if self.done else b""
 
     def feed(self, data: bytes) -> bytes:
-        """Decode ``data``; returns the body bytes it completes (maybe ``b""``)."""
+        """Decode ``data``; returns the body bytes it completes (maybe ``b""``).
+
+        Raises :class:`ChunkedError` on malformed framing, with the data of the
+        chunks before it in ``partial`` (the caller may still deliver those).
+        """
         if self.done:
-            self._buf += data
+            if data and not self._buf:
+                self._buf = data[:64]  # only whether there was any matters (no reuse)
             return b""
-        buf = self._buf + data if self._buf else data
         out: list[bytes] = []
+        try:
+            return self._feed(data, out)
+        except ChunkedError as exc:
+            exc.partial = b"".join(out)
+            raise
+
+    def _feed(self, data: bytes, out: list[bytes]) -> bytes:
+        buf = self._buf + data if self._buf else data
         pos = 0
         n = len(buf)
         state = self._state

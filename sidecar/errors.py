@@ -18,6 +18,7 @@ rest of the code catches only ``SidecarError`` subclasses.
     |   +-- PayloadTooLarge (413)     body over --max-body
     |   +-- HeadersTooLarge (431)     request head over the limit
     |   +-- UnsupportedFraming (501)  unknown transfer coding
+    |   +-- MethodNotSupported (501)  CONNECT (the sidecar is no tunnel)
     +-- ClientDisconnected            the client went away (an expected ending)
     +-- UpstreamError (502)           llama-server is at fault
         +-- UpstreamConnectError (502)   connect refused / unreachable
@@ -39,6 +40,7 @@ __all__ = [
     "ClientDisconnected",
     "ClientError",
     "HeadersTooLarge",
+    "MethodNotSupported",
     "PayloadTooLarge",
     "RequestTimeout",
     "SidecarError",
@@ -91,6 +93,11 @@ class HeadersTooLarge(ClientError):
 
 
 class UnsupportedFraming(ClientError):
+    status_hint = 501
+    kind = "not_implemented"
+
+
+class MethodNotSupported(ClientError):
     status_hint = 501
     kind = "not_implemented"
 

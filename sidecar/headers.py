@@ -58,12 +58,18 @@ def connection_tokens(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes
     return frozenset(tokens)
 
 
+# Fields a ``Connection`` option may never remove: the message's own framing.  A
+# hostile ``Connection: content-length`` must not turn a POST into one without its
+# length (the body would be lost or read as the next request).
+NEVER_CONNECTION_OPTION = frozenset({b"content-length", b"transfer-encoding"})
+
+
 def filter_headers(
     headers: Iterable[tuple[bytes, bytes]], drop: frozenset[bytes] = HOP_BY_HOP
 ) -> Headers:
     """Forwardable headers: ``drop`` and the fields named by ``Connection`` removed."""
     items = list(headers)
-    named = connection_tokens(items)
+    named = connection_tokens(items) - NEVER_CONNECTION_OPTION
     return [(n, v) for n, v in items if (low := n.lower()) not in drop and low not in named]
 
 

@@ -79,6 +79,7 @@ from sidecar.errors import (
     BadRequest,
     ClientDisconnected,
     ClientError,
+    MethodNotSupported,
     PayloadTooLarge,
     RequestTimeout,
     SidecarError,
@@ -331,6 +332,9 @@ class Exchange:
         if te is not None and cl is not None:
             # RFC 9112 section 6.1: may reject, and must close afterwards.
             raise BadRequest("both Content-Length and Transfer-Encoding present")
+        if req.method == b"CONNECT":
+            # A tunnel, not a request to relay (RFC 9110 section 9.3.6).
+            raise MethodNotSupported("CONNECT is not supported")
         if cl is not None and int(cl) > self.config.max_body:
             raise PayloadTooLarge(f"request body of {int(cl)} bytes exceeds {self.config.max_body}")
         auth = get_header(raw, b"authorization") or b""

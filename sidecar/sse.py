@@ -21,6 +21,12 @@ split of a stream into chunks yields the same list of :class:`Line` items.
 A trailing unterminated line at end of stream is never reported (WHATWG: an
 incomplete event is discarded at end of file).  A leading byte-order mark is not
 special-cased: llama-server never sends one.
+
+Work is linear in the bytes fed and memory is bounded: of a line split across
+reads only the first ``MAX_KEPT`` bytes are kept (a longer line is reported
+cut to about that size; the relay needs only a comment's first words and
+whether a line is a comment at all), so a 16 MB line without a newline costs
+one pass over its bytes, not a copy of everything so far on every read.
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ __all__ = ["Blank", "Comment", "Field", "Line", "SSEScanner"]
 
 # WHATWG 9.2.5: end-of-line = ( cr lf / cr / lf )
 _EOL = re.compile(rb"\r\n|\r|\n")
+# Bytes kept of a line that is still incomplete at the end of a read.
+MAX_KEPT = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +103,7 @@ class SSEScanner:
         for m in _EOL.finditer(data, start):
             end = m.start()
             if self._partial:
-                line = self._partial + data[start:end]
+                line = self._partial + data[start : min(end, start + MAX_KEPT)]
                 self._partial = b""
             else:
                 line = data[start:end]
@@ -106,8 +114,14 @@ class SSEScanner:
                 self._skip_lf = True
             out.append(self._line(line))
         if start < n:
-            self._partial += data[start:]
+            self._keep(data, start)
         return out
+
+    def _keep(self, data: bytes, start: int) -> None:
+        """Add ``data[start:]`` to the incomplete line, up to ``MAX_KEPT`` bytes."""
+        room = MAX_KEPT - len(self._partial)
+        if room > 0:
+            self._partial += data[start : start + room]
 
     def feed_comments(self, data: bytes) -> list[bytes]:
         """Like :meth:`feed` but returns only the comment texts: the relay's fast path.
@@ -122,6 +136,9 @@ class SSEScanner:
         if not data:
             return []
         if self._partial:
+            if b"\n" not in data:  # still the same line: keep its head only
+                self._keep(data, 0)
+                return []
             data = self._partial + data
         if data[-2:] == b"\n\n" and data[0] != 0x3A and b"\n:" not in data:
             # Whole events and no comment line (a comment starts the data or
@@ -130,7 +147,7 @@ class SSEScanner:
             self._pending_fields = False
             return []
         lines = data.split(b"\n")
-        self._partial = lines.pop()
+        self._partial = lines.pop()[:MAX_KEPT]
         if not lines:
             return []
         # The last blank or field line decides whether an event is pending.

@@ -26,6 +26,7 @@ lost mid-response -> ``UpstreamDisconnected``, garbage -> ``UpstreamProtocolErro
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import select
 import tempfile
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -370,6 +371,7 @@ class _BodySink:
             return
         decoder = self._decoder
         wire: bytes | None = None
+        out = b""
         try:
             if self._framed and decoder.idle:
                 out, used = whole_chunks(data)
@@ -388,6 +390,15 @@ class _BodySink:
             else:
                 out = decoder.feed(data)
         except ChunkedError as exc:
+            # The chunks before the bad one are the upstream's answer so far:
+            # deliver them (re-framed), then fail.
+            good = out + exc.partial
+            if good:
+                with contextlib.suppress(Exception):
+                    if self._framed:
+                        self._deliver(good, None)
+                    else:
+                        self._deliver(good)
             self._fail(UpstreamProtocolError(f"bad chunked body from upstream: {exc}"))
             return
         if out:
@@ -439,7 +450,16 @@ class H11Response:
     write instead of one write per event.  Nothing waits for more data, so
     coalescing adds no latency."""
 
-    __slots__ = ("_conn", "_decoder", "_done", "_end_seen", "_pending", "_pool", "head")
+    __slots__ = (
+        "_conn",
+        "_decoder",
+        "_done",
+        "_end_seen",
+        "_failed",
+        "_pending",
+        "_pool",
+        "head",
+    )
 
     def __init__(
         self, pool: H11Upstream, conn: H11Stream, head: ResponseHead, chunked: bool = False
@@ -448,6 +468,7 @@ class H11Response:
         self._conn = conn
         self._done = False
         self._end_seen = False
+        self._failed: UpstreamProtocolError | None = None
         self.head = head
         # Chunked keep-alive bodies (llama-server's streams) are decoded by the
         # fast ChunkedDecoder; everything else goes through h11.
@@ -455,6 +476,8 @@ class H11Response:
         self._pending = conn.take_over_body() if chunked else b""
 
     async def _receive_chunked(self, decoder: ChunkedDecoder) -> bytes:
+        if self._failed is not None:
+            raise self._failed
         while True:
             if decoder.done:
                 self._done = True
@@ -468,7 +491,10 @@ class H11Response:
             try:
                 out = decoder.feed(data)
             except ChunkedError as exc:
-                raise UpstreamProtocolError(f"bad chunked body from upstream: {exc}") from exc
+                self._failed = UpstreamProtocolError(f"bad chunked body from upstream: {exc}")
+                if exc.partial:
+                    return exc.partial  # the good chunks first; the error next time
+                raise self._failed from exc
             if out:
                 return out
 

@@ -95,6 +95,21 @@ async def test_chunked_body_over_the_limit_gets_413(
 
 
 @pytest.mark.anyio
+async def test_an_oversized_chunk_is_body_until_the_limit(
+    fake: FakeUpstream, sidecar_factory: SidecarFactory
+) -> None:
+    """A chunk size beyond any limit makes what follows body bytes, never a request."""
+    async with (
+        sidecar_factory(fake.url, max_body=1000) as sc,
+        await RawConn.open(sc.url) as c,
+    ):
+        await c.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     b"10000000000000000\r\n" + b"GET /x HTTP/1.1\r\n\r\n" * 60)  # fmt: skip
+        assert (await c.read_response()).status == 413
+    assert fake.conns == []
+
+
+@pytest.mark.anyio
 async def test_a_body_larger_than_the_buffer_spills_and_arrives_intact(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
