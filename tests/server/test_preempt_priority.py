@@ -101,6 +101,8 @@ def test_only_low_priority_requests_are_parked(start_server: StartServer) -> Non
     assert m["n_preempt_priority_low_total"] == m["n_preempt_total"] >= 1
     assert m["requests_preempted"] == 0 and m["n_resume_total"] == m["n_preempt_total"]
     assert any(s.get("priority") == HIGH for s in slots(srv.url)), slots(srv.url)
+    # the KV gauges a load balancer reads (the sidecar's --ready-min-free-kv): all free again
+    assert m["kv_cells_total"] == 512 and m["kv_cells_used"] == 0, m
 
 
 def test_forced_parks_with_a_priority_change_nothing(start_server: StartServer) -> None:
