@@ -165,11 +165,18 @@ else
 fi
 
 # ---- prepare the tree: pristine copy (mtimes kept, so rebuilds are incremental) + series ------
-work="$cache/work/$kind-$variant"
+# The patched and the stock build share one source path ($work/src) and have a build directory
+# each. Paths end up inside what ccache hashes, and not only on the command line: llama.cpp's
+# unity-build sources (generated in the build directory) #include each source by its absolute
+# path. With one source path, every object whose sources the patches leave alone is the same
+# for both builds, so the second build takes it from ccache.
+work="$cache/work/$variant"
 [ -z "$src" ] || work="$work-src-$(echo "$src" | sha256sum | cut -c1-8)"
 tree="$work/src"
-mkdir -p "$work"
-# One build per work tree at a time; a build that waited may find the binary already made.
+build="$work/build-$kind"
+mkdir -p "$work" "$build"
+# One build per tree at a time (the other kind would swap the tree under it); a build that
+# waited may find the binary already made.
 if command -v flock >/dev/null 2>&1; then
     exec 9>"$work/.lock"
     flock -n 9 || { say "another build of this tree is running; waiting for it"; flock 9; }
@@ -183,6 +190,7 @@ rm -rf "$tree.new"
 say "preparing $kind tree in $tree"
 cp -a "$pristine" "$tree.new"
 rm -rf "$tree.new/.git"
+changed=()  # files the series changes, relative to the tree
 for f in "${series_files[@]}"; do
     name=$(basename "$f")
     if ! out=$(patch -d "$tree.new" -p1 --forward --batch --no-backup-if-mismatch -r - < "$f" 2>&1); then
@@ -191,27 +199,37 @@ for f in "${series_files[@]}"; do
         die "patch $name does not apply (the hunks that failed are listed above)" \
             "rebase it on the pinned source: see server_patch/README.md (edit tree, then regenerate)"
     fi
+    while IFS= read -r file; do changed+=("$file"); done < <(printf '%s\n' "$out" | sed -n 's/^patching file //p')
     say "applied $name"
 done
+# A file the series changed for this build directory's last build but not now is back to its
+# pristine (older) mtime, and make would keep the objects made from the patched text: touch
+# every file changed then or now, so that make recompiles what includes them (ccache makes
+# that cheap when the text is one it has seen).
+touched="$build/.series-files"
+stale=()
+[ -f "$touched" ] && mapfile -t stale < "$touched"
+for file in "${stale[@]}" "${changed[@]}"; do
+    [ -n "$file" ] && [ -e "$tree.new/$file" ] && touch "$tree.new/$file"
+done
+# Until this build succeeds, its objects may come from either text: keep both lists.
+printf '%s\n' "${stale[@]}" "${changed[@]}" | sed '/^$/d' | sort -u > "$touched"
 rm -rf "$tree"; mv "$tree.new" "$tree"
 
 # ---- configure and build ----------------------------------------------------------------------
 # The compiler's output goes to the log (kept in the cache); the terminal gets one progress
 # line: the step, make's percentage and the elapsed time (rewritten in place on a terminal,
 # a new line every 25% elsewhere). On failure the first errors and the log's tail are shown.
-build="$work/build"
-log="$work/build.log"
+log="$work/build-$kind.log"
 say "configuring ($variant$([ "$stock" = 1 ] && echo ', stock'))"
-cmake -S "$tree" -B "$build" "${cmake_flags[@]}" >"$work/configure.log" 2>&1 \
-    || { tail -30 "$work/configure.log" >&2; die "cmake configure failed (log: $work/configure.log)" \
+cmake -S "$tree" -B "$build" "${cmake_flags[@]}" >"$work/configure-$kind.log" 2>&1 \
+    || { tail -30 "$work/configure-$kind.log" >&2; die "cmake configure failed (log: $work/configure-$kind.log)" \
          "install the missing dependency named above$([ "$cuda" = 1 ] && echo ' (CUDA toolkit for --cuda)')"; }
-# ccache keys on the compiler's command line. Both trees (patched-*, stock-*) and their build
-# directories lie under $cache/work, at the same depth; with the base dir there, every path
-# becomes relative (../../src/...) and identical between them, so the stock build reuses
-# each object whose sources the patches do not touch. (A base dir at the source tree alone
-# left the -I of generated headers in the build directory absolute, and so different.)
-export CCACHE_BASEDIR=$cache/work
-export CCACHE_STATSLOG="$work/ccache-stats.log"
+# ccache also keys on the compiler's command line: with the base dir at $work, the paths of
+# the source tree and of both build directories (the -I of generated headers) become relative
+# and so the same for both builds.
+export CCACHE_BASEDIR=$work
+export CCACHE_STATSLOG="$work/ccache-$kind.log"
 rm -f "$CCACHE_STATSLOG"
 elapsed() { local s=$((SECONDS - $1)); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
 progress() {  # runs in the background while the compiler runs; reads the log
@@ -261,6 +279,7 @@ if [ -f "$CCACHE_STATSLOG" ]; then
     reuse=", ccache reused ${hits:-0} of $(( ${hits:-0} + ${misses:-0} )) compiles"
 fi
 say "compiled in $(elapsed "$t_build")$reuse"
+printf '%s\n' "${changed[@]}" | sed '/^$/d' | sort -u > "$touched"
 
 mkdir -p "$out_dir"
 cp "$build/bin/llama-server" "$binary.tmp" && mv "$binary.tmp" "$binary"

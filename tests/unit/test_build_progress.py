@@ -1,7 +1,9 @@
 """build_llama.sh on a small stand-in for llama.cpp (`--src`): one progress line instead of
 the compiler's output, the full log kept in the cache, the errors and the log's tail on
-failure, and a stock build that reuses (ccache) every object the patches do not touch,
-including objects compiled with an include directory inside the build tree."""
+failure, and a stock build that reuses (ccache) every object the patches do not touch. The
+stand-in has what defeated that reuse in llama.cpp: an include directory inside the build
+tree, and a unity build whose sources use __FILE__ (the generated unity sources #include
+each file by its absolute path, which __FILE__ then puts into the preprocessed text)."""
 
 from __future__ import annotations
 
@@ -30,8 +32,10 @@ endif()
 configure_file(gen.h.in ${CMAKE_CURRENT_BINARY_DIR}/gen/gen.h)
 add_library(base STATIC a.c b.c c.c)
 target_include_directories(base PRIVATE ${CMAKE_CURRENT_BINARY_DIR}/gen)
+add_library(unity STATIC u1.c u2.c u3.c u4.c)
+set_target_properties(unity PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 2)
 add_executable(llama-server tools/server/server-context.cpp.c)
-target_link_libraries(llama-server base)
+target_link_libraries(llama-server base unity)
 set_target_properties(llama-server PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
 """
 SERVER = "int a(void); int b(void); int c(void);\nint main(void) { return a() + b() + c(); }\n"
@@ -52,6 +56,9 @@ def standin_tree(root: Path, server: str = SERVER) -> Path:
     (src / "gen.h.in").write_text("#define GEN 1\n")
     for name in "abc":
         (src / f"{name}.c").write_text(f'#include "gen.h"\nint {name}(void) {{ return GEN; }}\n')
+    for i in range(1, 5):  # __FILE__, as in GGML_ASSERT: the path is in the preprocessed text
+        (src / f"u{i}.c").write_text(f"int u{i}(void) {{ return {i}; }}\n"
+                                     f"const char *u{i}_file(void) {{ return __FILE__; }}\n")
     (src / "tools/server/server-context.cpp").write_text("// marks a llama.cpp tree\n")
     (src / "tools/server/server-context.cpp.c").write_text(server)
     return src
@@ -89,7 +96,7 @@ def test_one_progress_line_and_the_full_log_in_the_cache(tmp_path: Path) -> None
     assert "Building C object" not in proc.stderr  # no compiler lines on the terminal
     assert re.search(r"compiled in \dm\d\ds", proc.stderr), proc.stderr
     assert "Building C object" in (binary.parent / "build.log").read_text()
-    logs = list((cache / "work").glob("*/build.log"))
+    logs = list((cache / "work").glob("*/build-patched.log"))
     assert len(logs) == 1 and "Linking C executable bin/llama-server" in logs[0].read_text()
 
 
@@ -111,10 +118,25 @@ def test_stock_after_patched_reuses_every_untouched_object(tmp_path: Path) -> No
     co, src = checkout(tmp_path), standin_tree(tmp_path)
     patched = build(co, cache, src)
     assert patched.returncode == 0, patched.stderr
-    assert reused(patched.stderr) == (0, 4)
+    assert reused(patched.stderr) == (0, 6)
     stock = build(co, cache, src, "--stock")
     assert stock.returncode == 0, stock.stderr
-    # a.c, b.c and c.c (with -I into the build tree) are reused; only the patched file is not.
-    assert reused(stock.stderr) == (3, 4)
+    # a.c, b.c, c.c (-I into the build tree) and both unity sources are reused; only the
+    # patched file is compiled again.
+    assert reused(stock.stderr) == (5, 6)
     assert subprocess.run([stock.stdout.strip()]).returncode == 3
     assert subprocess.run([patched.stdout.strip()]).returncode == 3 - 6 + 256
+
+
+def test_a_patch_dropped_from_the_series_is_dropped_from_the_binary(tmp_path: Path) -> None:
+    """The dropped patch's file is back to its pristine text and its older mtime: the
+    objects made from the patched text must not survive (make alone would keep them)."""
+    cache = tmp_path / "cache"
+    co, src = checkout(tmp_path), standin_tree(tmp_path)
+    patched = build(co, cache, src)
+    assert patched.returncode == 0, patched.stderr
+    assert subprocess.run([patched.stdout.strip()]).returncode == 3 - 6 + 256
+    (co / "server_patch/series").write_text("# no patches\n")
+    rebuilt = build(co, cache, src)
+    assert rebuilt.returncode == 0, rebuilt.stderr
+    assert subprocess.run([rebuilt.stdout.strip()]).returncode == 3
