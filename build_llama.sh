@@ -233,6 +233,7 @@ export CCACHE_STATSLOG="$work/ccache-$kind.log"
 rm -f "$CCACHE_STATSLOG"
 elapsed() { local s=$((SECONDS - $1)); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
 progress() {  # runs in the background while the compiler runs; reads the log
+    set +e +o pipefail  # a log without a percentage yet must not end the loop
     local t0=$1 pct last=-1 tty=0
     if [ -t 2 ]; then tty=1; fi
     while sleep 1; do

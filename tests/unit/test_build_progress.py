@@ -34,6 +34,10 @@ add_library(base STATIC a.c b.c c.c)
 target_include_directories(base PRIVATE ${CMAKE_CURRENT_BINARY_DIR}/gen)
 add_library(unity STATIC u1.c u2.c u3.c u4.c)
 set_target_properties(unity PROPERTIES UNITY_BUILD ON UNITY_BUILD_BATCH_SIZE 2)
+# A first step that prints nothing for a while, as a cold build's first compiles do.
+add_custom_target(quiet_start COMMAND sleep 2.5)
+add_dependencies(base quiet_start)
+add_dependencies(unity quiet_start)
 add_executable(llama-server tools/server/server-context.cpp.c)
 target_link_libraries(llama-server base unity)
 set_target_properties(llama-server PROPERTIES RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
@@ -94,6 +98,10 @@ def test_one_progress_line_and_the_full_log_in_the_cache(tmp_path: Path) -> None
     binary = Path(proc.stdout.strip())
     assert binary.is_file() and binary.parent.parent == cache / "bin"
     assert "Building C object" not in proc.stderr  # no compiler lines on the terminal
+    # The progress line, printed although the log had no percentage at the first look.
+    assert re.search(r"compiling patched llama-server: +\d+%  0m0\ds elapsed", proc.stderr), (
+        proc.stderr
+    )
     assert re.search(r"compiled in \dm\d\ds", proc.stderr), proc.stderr
     assert "Building C object" in (binary.parent / "build.log").read_text()
     logs = list((cache / "work").glob("*/build-patched.log"))
