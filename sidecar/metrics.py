@@ -21,6 +21,7 @@ import platform
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from sidecar import __version__
+from sidecar.notices import NoticeKind
 
 __all__ = ["DURATION_BUCKETS", "KNOWN_ROUTES", "Metrics", "route_label", "status_class"]
 
@@ -169,8 +170,8 @@ class Metrics:
         # Pre-create bounded label sets so dashboards see zeros, not gaps.
         for reason in ("park", "idle", "early_open"):
             self.keepalives.labels(reason)
-        for kind in ("preempted", "resumed", "recomputed", "preempt_keepalive", "ping", "other"):
-            self.upstream_comments.labels(kind)
+        for notice in NoticeKind:
+            self.upstream_comments.labels(notice.value)
         for phase in DISCONNECT_PHASES:
             self.client_disconnects.labels(phase)
         for kind in ("connect", "timeout", "protocol", "disconnect"):

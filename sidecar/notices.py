@@ -75,6 +75,7 @@ class ParkEnded:
     index: int | None
     duration: float
     recomputed: bool
+    since: float = 0.0  # when the park started (the time given to apply())
 
 
 ParkChange = ParkStarted | ParkEnded
@@ -107,11 +108,11 @@ class ParkTracker:
             since = self._since.pop(notice.index, None)
             if since is None:
                 return None
-            return ParkEnded(notice.index, now - since, kind is NoticeKind.RECOMPUTED)
+            return ParkEnded(notice.index, now - since, kind is NoticeKind.RECOMPUTED, since)
         return None
 
     def close(self, now: float) -> list[ParkEnded]:
         """End of stream: every still-parked prompt ends its park here."""
-        ended = [ParkEnded(i, now - t, False) for i, t in self._since.items()]
+        ended = [ParkEnded(i, now - t, False, t) for i, t in self._since.items()]
         self._since.clear()
         return ended

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 import anyio
 import httpx
 
-from sidecar.notices import NoticeKind, classify
+from sidecar.notices import NoticeKind, ParkEnded, ParkTracker, classify
 
 __all__ = [
     "ProbeOptions",
@@ -274,39 +274,30 @@ def _event_tokens(payload: Any) -> int:
     return n
 
 
-def _comment_kind(text: str) -> NoticeKind | str:
-    notice = classify(text[1:].encode("utf-8", "replace"))
-    if notice.kind is NoticeKind.OTHER and text[1:].strip() == "keepalive":
-        return "keepalive"  # the sidecar's own idle keepalive
-    return notice.kind
-
-
 def summarize(rec: StreamRecord) -> StreamSummary:
     parks = resumes = recomputes = keepalives = pings = tokens = 0
     server_tokens: int | None = None
     done = False
     error = rec.error
-    parked_since: dict[int | None, float] = {}
+    tracker = ParkTracker()  # the same park bookkeeping as the sidecar's relay
     spans: list[tuple[float, float]] = []
     ka_times: list[float] = []
     token_times: list[float] = []
     for t, text in rec.lines:
         if text.startswith(":"):
-            kind = _comment_kind(text)
             notice = classify(text[1:].encode("utf-8", "replace"))
+            change = tracker.apply(notice, t)
+            if isinstance(change, ParkEnded):
+                spans.append((change.since, t))
+            kind = notice.kind
             if kind is NoticeKind.PREEMPTED:
                 parks += 1
-                parked_since.setdefault(notice.index, t)
-            elif kind in (NoticeKind.RESUMED, NoticeKind.RECOMPUTED):
-                if kind is NoticeKind.RESUMED:
-                    resumes += 1
-                else:
-                    recomputes += 1
-                since = parked_since.pop(notice.index, None)
-                if since is not None:
-                    spans.append((since, t))
-            elif kind in (NoticeKind.PREEMPT_KEEPALIVE, "keepalive"):
-                keepalives += 1
+            elif kind is NoticeKind.RESUMED:
+                resumes += 1
+            elif kind is NoticeKind.RECOMPUTED:
+                recomputes += 1
+            elif kind is NoticeKind.PREEMPT_KEEPALIVE or text[1:].strip() == "keepalive":
+                keepalives += 1  # the server's, or the sidecar's own idle keepalive
                 ka_times.append(t)
             elif kind is NoticeKind.PING:
                 pings += 1
@@ -336,8 +327,8 @@ def summarize(rec: StreamRecord) -> StreamSummary:
         if n:
             tokens += n
             token_times.append(t)
-    for since in parked_since.values():  # parked until the end
-        spans.append((since, rec.t_end))
+    for ended in tracker.close(rec.t_end):  # parked until the end
+        spans.append((ended.since, rec.t_end))
     spans.sort()
 
     stamps = [rec.t_headers if rec.t_headers is not None else rec.t_start]

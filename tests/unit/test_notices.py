@@ -42,7 +42,7 @@ def test_tracker_single_prompt() -> None:
     assert t.parked
     assert t.apply(Notice(K.PREEMPTED), 1.5) is None
     assert t.apply(Notice(K.PREEMPT_KEEPALIVE), 2.0) is None
-    assert t.apply(Notice(K.RESUMED), 4.0) == ParkEnded(None, 3.0, False)
+    assert t.apply(Notice(K.RESUMED), 4.0) == ParkEnded(None, 3.0, False, 1.0)
     assert not t.parked
     assert t.apply(Notice(K.RESUMED), 5.0) is None
 
@@ -52,7 +52,7 @@ def test_tracker_indexed_prompts() -> None:
     t.apply(Notice(K.PREEMPTED, 0), 0.0)
     t.apply(Notice(K.PREEMPTED, 1), 1.0)
     assert t.parked_count == 2
-    assert t.apply(Notice(K.RECOMPUTED, 0), 2.0) == ParkEnded(0, 2.0, True)
+    assert t.apply(Notice(K.RECOMPUTED, 0), 2.0) == ParkEnded(0, 2.0, True, 0.0)
     assert t.parked
-    assert t.close(5.0) == [ParkEnded(1, 4.0, False)]
+    assert t.close(5.0) == [ParkEnded(1, 4.0, False, 1.0)]
     assert not t.parked
