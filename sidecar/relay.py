@@ -47,7 +47,7 @@ event boundary) is always its own chunk.
 
 Early open (``--early-open-after S``): for a request that asked to stream
 (``"stream": true`` in the body or ``Accept: text/event-stream``), if no
-upstream head arrived S seconds after the request body was forwarded, a 200
+upstream head arrived S seconds after the request was forwarded, a 200
 ``text/event-stream`` head is sent and kept alive; an upstream error then
 arrives as a single ``data: {"error": ...}`` event.
 """
