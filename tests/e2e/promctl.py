@@ -132,9 +132,7 @@ class Prometheus:
             self._log.close()
 
 
-def assert_every_scrape_succeeded(
-    prom: Prometheus, window: str = "30s", at_least: int = 5
-) -> None:
+def assert_every_scrape_succeeded(prom: Prometheus, window: str = "30s", at_least: int = 5) -> None:
     """The sidecar's metrics listener answered every scrape of the last ``window``.
 
     ``up`` is 0 for a failed scrape; a listener that closed a kept-alive connection

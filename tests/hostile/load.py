@@ -237,10 +237,6 @@ def huge_line_script(megabytes: int = 16, piece: int = 64 * 1024, every: float =
 # small machine it takes CPU time the sidecar leaves, as a remote attacker would.
 
 
-def _low_priority() -> None:
-    os.nice(10)
-
-
 class _Child:
     """``python -m tests.hostile.load ROLE ARGS...``; one JSON document on stdout at the end."""
 
@@ -248,8 +244,9 @@ class _Child:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "tests.hostile.load", role, *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
-            preexec_fn=_low_priority if nice else None,
         )  # fmt: skip
+        if nice:
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, 10)
         assert self.proc.stdout is not None
         self.first_line = self.proc.stdout.readline().strip()
 
