@@ -33,6 +33,7 @@ import re
 __all__ = ["ChunkedDecoder", "ChunkedError", "whole_chunks"]
 
 MAX_LINE = 4096  # chunk-size line or trailer line
+MAX_TRAILER = 16 * 1024  # the whole trailer section
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _SIZE_LINE = re.compile(rb"([0-9a-fA-F]{1,15})\r\n")
 
@@ -73,7 +74,7 @@ class ChunkedError(ValueError):
 
 
 class ChunkedDecoder:
-    __slots__ = ("_buf", "_remaining", "_state", "done")
+    __slots__ = ("_buf", "_remaining", "_state", "_trailer", "done")
 
     # states: "size" (expecting a size line), "data" (_remaining bytes of data),
     # "crlf" (the CRLF after chunk data), "trailer" (trailer lines until empty)
@@ -81,6 +82,7 @@ class ChunkedDecoder:
         self._buf = b""
         self._state = "size"
         self._remaining = 0
+        self._trailer = 0  # trailer bytes so far
         self.done = False
 
     @property
@@ -151,6 +153,9 @@ class ChunkedDecoder:
                 if not line:
                     self.done = True
                     break
+                self._trailer += len(line) + 2
+                if self._trailer > MAX_TRAILER:
+                    raise ChunkedError("trailer section too long")
                 continue
             size = line.split(b";", 1)[0].strip(b" \t")
             if not size or len(size) > 16 or not _HEX.issuperset(size):

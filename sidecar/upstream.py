@@ -107,10 +107,6 @@ class RequestBody:
         for piece in self.pieces():
             yield piece
 
-    @property
-    def on_disk(self) -> bool:
-        return bool(getattr(self._file, "_rolled", False))
-
     def close(self) -> None:
         self._file.close()
 

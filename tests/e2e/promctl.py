@@ -132,6 +132,20 @@ class Prometheus:
             self._log.close()
 
 
+def assert_every_scrape_succeeded(prom: Prometheus, window: str = "30s", at_least: int = 5) -> None:
+    """The sidecar's metrics listener answered every scrape of the last ``window``.
+
+    ``up`` is 0 for a failed scrape; a listener that closed a kept-alive connection
+    at the wrong moment (or died) shows up here.
+    """
+    time.sleep(2)  # a few more scrapes, on connections the sidecar closed meanwhile
+    job = 'up{job="llama-sidecar"}'
+    count = prom.wait_for(f"count_over_time({job}[{window}])")
+    assert float(count[0]["value"][1]) >= at_least, count
+    worst = prom.wait_for(f"min_over_time({job}[{window}])")
+    assert float(worst[0]["value"][1]) == 1.0, f"a scrape of the sidecar failed: {worst}"
+
+
 def scrape_config(sidecar_metrics: str, server: str, interval: str = "1s") -> str:
     """grafana/prometheus.yml with the targets and intervals of a test run."""
     text = (GRAFANA / "prometheus.yml").read_text()

@@ -14,11 +14,13 @@ from tests.e2e.conftest import OVERFLOW_ARGS, RunUp
 from tests.e2e.promctl import (
     PROMETHEUS,
     Prometheus,
+    assert_every_scrape_succeeded,
     dashboard,
     dashboard_queries,
     metric_names,
     scrape_config,
 )
+from tests.e2e.test_prometheus_fake import SCRAPE_INTERVAL, SHORT_METRICS_TIMEOUTS
 from tests.support.llama import StreamLog, stream_sse
 
 pytestmark = [
@@ -50,10 +52,13 @@ def overload(url: str) -> list[StreamLog]:
 def test_dashboard_queries_against_a_live_overloaded_pair(
     run_preempting_up: RunUp, slow_model: Path, tmp_path: Path
 ) -> None:
-    # The slow model makes parks last seconds, so a 0.5 s scrape sees parked RAM > 0.
-    up = run_preempting_up("--model", str(slow_model), *OVERFLOW_ARGS, "--", "-t", "1")
+    # The slow model makes parks last seconds, so a 1 s scrape sees parked RAM > 0.  The
+    # interval is longer than every idle timeout of the sidecar's metrics listener, so
+    # each scrape finds its kept-alive connection closed (issue 9).
+    up = run_preempting_up("--model", str(slow_model), *OVERFLOW_ARGS, "--", "-t", "1",
+                           env=SHORT_METRICS_TIMEOUTS)  # fmt: skip
     config = scrape_config(f"127.0.0.1:{up.metrics_port}", f"127.0.0.1:{up.server_port}",
-                           interval="500ms")  # fmt: skip
+                           interval=SCRAPE_INTERVAL)  # fmt: skip
     prom = Prometheus(tmp_path / "prom", config).start()
     try:
         prom.wait_scraping()
@@ -84,5 +89,6 @@ def test_dashboard_queries_against_a_live_overloaded_pair(
                 empty.append(f"{title}: {expr}")
         assert not errors, "\n".join(errors)
         assert not empty, "park/resume/RAM panels without data:\n" + "\n".join(empty)
+        assert_every_scrape_succeeded(prom)
     finally:
         prom.stop()
