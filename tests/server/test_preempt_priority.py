@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -44,7 +45,6 @@ def n_decoded_max(url: str) -> int:
     [
         ("/completion", "high"),
         ("/completion", 1.5),
-        ("/completion", None),
         ("/v1/completions", "1"),
         ("/v1/chat/completions", 2.5),
         ("/completion", 10**9),
@@ -67,12 +67,12 @@ def test_priority_must_be_an_integer(start_server: StartServer, path: str, value
     assert srv.alive()
 
 
-def test_only_low_priority_requests_are_parked(start_server: StartServer) -> None:
+def test_only_low_priority_requests_are_parked(start_server: StartServer, slow_model: Path) -> None:
     """Two low-priority generations run; a high-priority one joins late, so it is the smallest
     slot when the pool fills: without priorities it would be the one parked. With them, only
     low-priority requests are parked, the high one never is, and every stream gets its solo
     tokens."""
-    srv = start_server(args=[*BASE, *PARK, "-c", "512", "-np", "3"])
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "512", "-np", "3"])
     n = 200
     low_prompts = robust_prompts(srv.url, 2, 8, n)
     high_prompt = robust_prompts(srv.url, 1, 8, n, first_seed=50)[0]
@@ -118,13 +118,17 @@ def test_forced_parks_with_a_priority_change_nothing(start_server: StartServer) 
     assert metrics(forced.url)["n_preempt_priority_high_total"] >= 6
 
 
-def test_a_starving_low_priority_request_still_finishes(start_server: StartServer) -> None:
+def test_a_starving_low_priority_request_still_finishes(
+    start_server: StartServer, slow_model: Path
+) -> None:
     """High-priority requests keep the pool full without a pause; the low-priority one is parked
     for them, yet once it has waited --preempt-aging seconds it ranks first and completes while
     they are still coming."""
-    srv = start_server(args=[*BASE, *PARK, "-c", "512", "-np", "3", "--preempt-aging", "1"])
+    args = [*BASE, *PARK, "-c", "512", "-np", "3", "--preempt-aging", "1"]
+    srv = start_server(model=slow_model, args=args)
     assert "--preempt-aging 1.0" in srv.log_text()
-    n_low = 160
+    # long enough to be running when the pool fills (about 165 tokens each on 512 cells)
+    n_low = 300
     low_prompt = robust_prompts(srv.url, 1, 8, n_low, first_seed=80)[0]
     solo = complete(srv.url, low_prompt, n_low)
 
