@@ -59,8 +59,10 @@ pytestmark = [pytest.mark.server]
 # "Testing"): 13 (defect 1, context lost), 25 (10, a family blocked parking), 50 and 81 (12, an
 # unpaired park; 81 also 11), 107 (11, "Invalid input batch."); 297 and 354 failed on the first
 # fixed build (a last resort without a victim rewound the batch; a prompt restarted by recompute
-# was restored for one chunk and parked again forever). About a minute on two cores.
-DEFAULT_SEEDS = [0, 1, 2, 13, 25, 50, 81, 107, 297, 354]
+# was restored for one chunk and parked again forever); 151 failed on the second (a drafting family
+# that overflows alone had its batch halved through the draft: an exception instead of the context
+# error). About a minute on two cores.
+DEFAULT_SEEDS = [0, 1, 2, 13, 25, 50, 81, 107, 151, 297, 354]
 
 MARGIN = 8  # the planner's margin (PREEMPTION.md section 3)
 
