@@ -20,7 +20,6 @@ reading is older than three poll intervals, the verdict is "not ready" with the 
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -159,8 +158,7 @@ async def poll_upstream(
                     readiness.failed(f"HTTP {r.status_code}", clock())
             except httpx.HTTPError as exc:
                 readiness.failed(type(exc).__name__, clock())
-            spent = clock() - started
-            await anyio.sleep(max(0.0, interval - spent) if math.isfinite(spent) else interval)
+            await anyio.sleep(max(0.0, interval - (clock() - started)))
     finally:
         if own:
             await client.aclose()

@@ -63,6 +63,21 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+def add_vocab(w: Any) -> None:
+    """The shared test vocabulary and its llama tokenizer settings, on a ``gguf.GGUFWriter``."""
+    tokens, scores, types = _vocab()
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+
+
 def write_model(path: str | os.PathLike[str], spec: TinySpec = SPECS["tiny"]) -> Path:
     """Write the model described by `spec` to `path` (atomically) and return the path."""
     import gguf
@@ -71,8 +86,7 @@ def write_model(path: str | os.PathLike[str], spec: TinySpec = SPECS["tiny"]) ->
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(spec.seed)
-    tokens, scores, types = _vocab()
-    n_vocab, d, ff = len(tokens), spec.n_embd, spec.n_ff
+    n_vocab, d, ff = len(_vocab()[0]), spec.n_embd, spec.n_ff
     head_dim = d // spec.n_head
     dtype = np.float32 if d <= 256 else np.float16
 
@@ -93,16 +107,7 @@ def write_model(path: str | os.PathLike[str], spec: TinySpec = SPECS["tiny"]) ->
     w.add_file_type(
         gguf.LlamaFileType.ALL_F32 if dtype == np.float32 else gguf.LlamaFileType.MOSTLY_F16
     )
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
+    add_vocab(w)
 
     ones = np.ones(d, dtype=np.float32)
     w.add_tensor("token_embd.weight", normal((n_vocab, d), 1.0))

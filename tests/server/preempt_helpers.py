@@ -88,7 +88,9 @@ class Completion:
         return dict(self.final.get("timings", {})) if self.final else {}
 
 
-def completion_body(prompt: str | list[int], n_predict: int, **extra: Any) -> dict[str, Any]:
+def completion_body(
+    prompt: str | list[int] | list[list[int]], n_predict: int, **extra: Any
+) -> dict[str, Any]:
     body: dict[str, Any] = {
         "prompt": prompt,
         "n_predict": n_predict,

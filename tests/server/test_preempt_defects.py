@@ -24,6 +24,7 @@ from tests.server.preempt_helpers import (
     BASE,
     LAST_RESORT_LINE,
     PARK,
+    completion_body,
     count_lines,
     metrics,
     slots,
@@ -38,20 +39,8 @@ pytestmark = [pytest.mark.server]
 
 
 def body(prompt: list[int] | list[list[int]], n_predict: int, **extra: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "prompt": prompt,
-        "n_predict": n_predict,
-        "temperature": 0.0,
-        "top_k": 1,
-        "seed": 42,
-        "ignore_eos": True,
-        "return_tokens": True,
-        "cache_prompt": False,
-        "stream": True,
-        "logit_bias": BAN_BYTE_TOKENS,
-    }
-    out.update(extra)
-    return out
+    """The suite's greedy, byte-token-free completion body, streamed unless told otherwise."""
+    return completion_body(prompt, n_predict, **{"stream": True, **extra})
 
 
 class Notices:

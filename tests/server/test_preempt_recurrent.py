@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.paths import cache_dir
-from sidecar.tinymodel import _vocab
+from sidecar.tinymodel import _vocab, add_vocab
 from tests.conftest import StartServer
 from tests.server.preempt_helpers import BASE, PARK, metrics, token_prompt, wait_settled
 from tests.server.test_preempt_defects import assert_complete, body, streamed
@@ -32,8 +32,7 @@ def write_mamba(path: Path, n_embd: int = 64, n_layer: int = 2, seed: int = 99) 
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    tokens, scores, types = _vocab()
-    n_vocab, d = len(tokens), n_embd
+    n_vocab, d = len(_vocab()[0]), n_embd
     d_inner, d_state, d_conv, dt_rank = 2 * d, 16, 4, 8
 
     def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
@@ -53,16 +52,7 @@ def write_mamba(path: Path, n_embd: int = 64, n_layer: int = 2, seed: int = 99) 
     w.add_ssm_state_size(d_state)
     w.add_ssm_time_step_rank(dt_rank)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_tokenizer_model("llama")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(True)
-    w.add_add_eos_token(False)
+    add_vocab(w)
 
     # numpy shapes are ggml's ne reversed
     w.add_tensor("token_embd.weight", normal((n_vocab, d), 1.0))
