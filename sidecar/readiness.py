@@ -20,6 +20,7 @@ reading is older than three poll intervals, the verdict is "not ready" with the 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -99,11 +100,13 @@ class Readiness:
     def observe(self, metrics_text: str, now: float) -> None:
         self._samples = parse_samples(metrics_text)
         self._at = now
-        self._failure = (
-            None
-            if PARKED in self._samples
-            else (f"llama-server's /metrics has no {PARKED} (not the patched server?)")
-        )
+        parked = self._samples.get(PARKED)
+        if parked is None:
+            self._failure = f"llama-server's /metrics has no {PARKED} (not the patched server?)"
+        elif not math.isfinite(parked) or parked < 0:
+            self._failure = f"llama-server's /metrics has {PARKED} {parked}: not a count"
+        else:
+            self._failure = None
         self._note(now)
 
     def failed(self, why: str, now: float) -> None:

@@ -35,6 +35,10 @@ def test_parse_samples_skips_comments_labels_and_junk() -> None:
         (text(parked=1, used=0, total=1000), 0.2, False, "1 request(s) parked"),
         # a stock llama-server has no parking gauge: say so rather than guess
         (text(processing=1), 0.0, False, "no llamacpp:requests_preempted"),
+        # a lying or broken upstream: a parked count that is not a count is not "none parked"
+        ("llamacpp:requests_preempted NaN\n", 0.0, False, "not a count"),
+        ("llamacpp:requests_preempted -1\n", 0.0, False, "not a count"),
+        ("llamacpp:requests_preempted +Inf\n", 0.0, False, "not a count"),
     ],
 )
 def test_verdict_from_one_reading(reading: str, min_free: float, ready: bool, reason: str) -> None:
