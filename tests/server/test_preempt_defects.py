@@ -176,7 +176,8 @@ def test_no_unpaired_park_when_a_sibling_ends_the_stream(start_server: StartServ
     ta, a = in_background(lambda: streamed(srv.url, body(prompts, 400)))
     # the family arrives when the two prompts hold about 200 cells each: the pool then overflows
     # while the family runs, one prompt is parked, and the other (the leader) must make room
-    wait_for(lambda: generating(srv.url, 200, n_slots=2), what="both prompts generating")
+    wait_for(lambda: generating(srv.url, 200, n_slots=2), what="both prompts generating",
+             timeout=240)  # a condition, not a time limit: the slow model on a loaded machine
     b = streamed(srv.url, body(token_prompt(8, 8), 150, n_cmpl=2))
     ta.join(300)
     res: Response = a["res"]

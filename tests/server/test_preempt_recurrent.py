@@ -7,7 +7,7 @@ that preemption is off, serve every request without parks or notices, and still 
 
 The model is a random-weight Mamba written here with the `gguf` package (the shared generator in
 sidecar/tinymodel.py writes llama models only). Hybrid caches (attention plus recurrent state)
-are not covered: no hybrid architecture is generated here, see docs/preemption.md.
+are covered by test_preempt_hybrid.py.
 """
 
 from __future__ import annotations
