@@ -33,7 +33,7 @@ from tests.server.preempt_helpers import (
     wait_settled,
 )
 from tests.server.test_preempt_fuzz import Response, check_notices, parse_stream, post
-from tests.support.llama import ServerDied
+from tests.support.llama import ServerDied, StreamLog, stream_sse
 
 pytestmark = [pytest.mark.server]
 
@@ -187,6 +187,38 @@ def test_no_unpaired_park_when_a_sibling_ends_the_stream(start_server: StartServ
     # both fit alone, so both complete
     assert_complete(res, 2, [8, 8], 400, multi_prompt=True)
     assert_complete(b, 2, [8], 150, multi_prompt=False)
+    wait_settled(srv.url)
+
+
+# defect 7 ------------------------------------------------------------------------------------
+
+
+def test_admission_waits_behind_a_parked_head(start_server: StartServer, slow_model: Path) -> None:
+    """A new request that arrives while a slot is parked waits until the parked slot is back,
+    although a slot is free and the pool has room for it: admitted first, a stream of small
+    requests would take the room the parked head waits for and keep it parked indefinitely."""
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "3"])
+    # two prompts that overflow the pool together (8 + 200 cells each): one is parked while the
+    # other grows, and it comes back when the other ends
+    pair = completion_body([token_prompt(8, 50), token_prompt(8, 51)], 200, stream=True)
+    t_pair, out = in_background(lambda: stream_sse(f"{srv.url}/completion", pair))
+    wait_for(lambda: any(s.get("is_preempted") for s in slots(srv.url)), what="a parked slot",
+             timeout=240)  # a condition, not a time limit
+    newcomer = stream_sse(f"{srv.url}/completion",
+                          completion_body(token_prompt(8, 52), 8, stream=True))
+    t_pair.join(300)
+    parked: StreamLog = out["res"]
+    assert parked.status == 200 and newcomer.status == 200
+    assert len(newcomer.tokens()) == 8
+
+    def absolute(log: StreamLog, pick: Any) -> float:
+        return log.t_start + next(t for t, line in log.lines if pick(line))
+
+    t_resumed = absolute(parked, lambda line: line.startswith(": resumed"))
+    t_first = absolute(newcomer, lambda line: line.startswith("data: "))
+    assert t_first > t_resumed, (
+        f"the newcomer's first token came {t_resumed - t_first:.2f} s before the parked prompt "
+        "was restored")
     wait_settled(srv.url)
 
 
