@@ -20,6 +20,7 @@ from tests.conftest import StartServer
 from tests.server.preempt_helpers import (
     BASE,
     PARK,
+    RawStream,
     completion_body,
     long_park_sizes,
     metrics,
@@ -284,25 +285,27 @@ def assert_plain_error(r: httpx.Response) -> None:
     assert "error" in r.json()
 
 
-@pytest.mark.slow
 def test_oversized_prompts_keep_their_4xx(start_server: StartServer, slow_model: Path) -> None:
-    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "2"])
-    done = threading.Event()
-
-    def resident() -> None:
-        completion(srv.url, token_prompt(8, 0), 120)
-        done.set()
-
-    threading.Thread(target=resident, daemon=True).start()
-    wait_for(lambda: any(s["is_processing"] for s in slots(srv.url)), what="a resident", timeout=60)
-    # an oversized prompt behind a resident is rejected, never parked
-    big = completion_body(token_prompt(300, 3), 8, stream=True)
-    assert_plain_error(httpx.post(f"{srv.url}/completion", json=big, timeout=120))
-    # an oversized sibling: the whole request is rejected before any prompt is queued
-    multi = completion_body([token_prompt(8, 4), token_prompt(300, 5)], 8, stream=True)
-    assert_plain_error(httpx.post(f"{srv.url}/completion", json=multi, timeout=120))
-    assert not done.is_set(), "the resident ended before the checks ran"
-    done.wait(300)
+    """Prompts that cannot fit are answered with a plain 4xx while a resident generates, and are
+    never parked. The resident generates without end (context shift, no n_predict limit) until the
+    test cancels it, so the checks run beside it however fast the model is."""
+    srv = start_server(model=slow_model,
+                       args=[*BASE, *PARK, "-c", "256", "-np", "2", "--context-shift"])
+    resident = RawStream(srv.url, token_prompt(8, 0), -1)
+    try:
+        wait_for(lambda: any(s["is_processing"] for s in slots(srv.url)), what="a resident",
+                 timeout=60)
+        # an oversized prompt behind a resident is rejected, never parked
+        big = completion_body(token_prompt(300, 3), 8, stream=True)
+        assert_plain_error(httpx.post(f"{srv.url}/completion", json=big, timeout=120))
+        # an oversized sibling: the whole request is rejected before any prompt is queued
+        multi = completion_body([token_prompt(8, 4), token_prompt(300, 5)], 8, stream=True)
+        assert_plain_error(httpx.post(f"{srv.url}/completion", json=multi, timeout=120))
+        assert not resident.closed_by_server, "the resident ended before the checks ran"
+        assert resident.n_data_events() > 0
+    finally:
+        resident.cancel()
+    wait_settled(srv.url)
     assert metrics(srv.url)["n_preempt_total"] == 0
 
 
