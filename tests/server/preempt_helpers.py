@@ -26,6 +26,9 @@ CONTEXT_ERROR = "Context size has been exceeded."
 # server flags shared by the preemption tests: unified KV, metrics and /slots, one thread
 BASE = ["--kv-unified", "--metrics", "--slots", "-t", "1", "-tb", "1", "--no-warmup"]
 PARK = ["--preempt-ram", "8192"]
+# the parked head waits 0 s (not 2) before a context-shifting resident is rotated out, so that a
+# rotation test does not depend on how many tokens the model makes in 2 s
+ROTATE_NOW = {"LLAMA_SERVER_PREEMPT_ROTATE_S": "0"}
 
 # log lines with stable prefixes (PREEMPTION.md section 9)
 PARK_LINE = "preempted: "

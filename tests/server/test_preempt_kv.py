@@ -26,6 +26,7 @@ from tests.server.preempt_helpers import (
     PARK_LINE,
     RESUME_LINE,
     REWIND_LINE,
+    ROTATE_NOW,
     ROTATION_LINE,
     Completion,
     RawStream,
@@ -341,10 +342,12 @@ def test_real_overflows_get_the_context_error(start_server: StartServer) -> None
 
 @pytest.mark.slow
 def test_rotation_with_context_shift(start_server: StartServer) -> None:
-    srv = start_server(args=[*BASE, *PARK, "-c", "256", "-np", "3", "--context-shift"])
-    # the head of the parked line must wait 2 s behind a resident that keeps shifting: on the tiny
-    # model (thousands of tokens per second) that takes generations far longer than the pool
-    n = 12000
+    # the head of the parked line waits ROTATE_NOW (0 s instead of 2) before a resident that has
+    # shifted is rotated out: a rotation then comes with the first shift after a park, however
+    # fast the model is, and generations a few times the pool long see several
+    srv = start_server(args=[*BASE, *PARK, "-c", "256", "-np", "3", "--context-shift"],
+                       env=ROTATE_NOW)
+    n = 2000
     together = complete_many(srv.url, PROMPTS[:3], n)
     for c in together:
         assert c.ok, c.error

@@ -20,6 +20,7 @@ from tests.conftest import StartServer
 from tests.server.preempt_helpers import (
     BASE,
     PARK,
+    ROTATE_NOW,
     RawStream,
     completion_body,
     long_park_sizes,
@@ -248,9 +249,11 @@ def test_last_resort_parks_are_announced(start_server: StartServer) -> None:
 
 @pytest.mark.slow
 def test_rotation_parks_are_announced(start_server: StartServer) -> None:
-    srv = start_server(args=[*BASE, *PARK, "-c", "256", "-np", "3", "--context-shift"])
+    # no wait before a rotation (ROTATE_NOW): the first shift after a park rotates, at any speed
+    srv = start_server(args=[*BASE, *PARK, "-c", "256", "-np", "3", "--context-shift"],
+                       env=ROTATE_NOW)
     prompts = [token_prompt(8, i) for i in range(3)]
-    log = stream_sse(f"{srv.url}/completion", completion_body(prompts, 12000, stream=True))
+    log = stream_sse(f"{srv.url}/completion", completion_body(prompts, 2000, stream=True))
     assert log.status == 200
     assert "rotated out after" in srv.log_text()
     assert assert_paired(log) >= 1
