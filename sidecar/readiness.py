@@ -30,6 +30,7 @@ import httpx
 __all__ = [
     "KV_TOTAL",
     "KV_USED",
+    "MAX_READING_BYTES",
     "PARKED",
     "Readiness",
     "Verdict",
@@ -38,6 +39,10 @@ __all__ = [
 ]
 
 log = logging.getLogger("sidecar.readiness")
+
+# llama-server's /metrics is a few KiB; a reading larger than this is not one (a wrong URL, a
+# misbehaving upstream) and is a failed poll, not a body held in memory without bound
+MAX_READING_BYTES = 1 << 20
 
 PARKED = "llamacpp:requests_preempted"
 KV_USED = "llamacpp:kv_cells_used"
@@ -154,14 +159,27 @@ async def poll_upstream(
         while True:
             started = clock()
             try:
-                r = await client.get(metrics_url)
-                if r.status_code == 200:
-                    readiness.observe(r.text, clock())
+                text, why = await _read_metrics(client, metrics_url)
+                if text is not None:
+                    readiness.observe(text, clock())
                 else:
-                    readiness.failed(f"HTTP {r.status_code}", clock())
+                    readiness.failed(why, clock())
             except httpx.HTTPError as exc:
                 readiness.failed(type(exc).__name__, clock())
             await anyio.sleep(max(0.0, interval - (clock() - started)))
     finally:
         if own:
             await client.aclose()
+
+
+async def _read_metrics(client: httpx.AsyncClient, url: str) -> tuple[str | None, str]:
+    """The metrics text, or None and why not (an HTTP status, a body over the size limit)."""
+    async with client.stream("GET", url) as r:
+        if r.status_code != 200:
+            return None, f"HTTP {r.status_code}"
+        body = bytearray()
+        async for piece in r.aiter_bytes():
+            body += piece
+            if len(body) > MAX_READING_BYTES:
+                return None, f"metrics response over {MAX_READING_BYTES} bytes"
+        return body.decode("utf-8", "replace"), ""
