@@ -44,7 +44,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from sidecar.server import SidecarProcess, ephemeral_config, start_subprocess
+from tests.support.sidecar import SidecarProcess, ephemeral_config, start_subprocess
 
 HERE = Path(__file__).resolve().parent
 TICK = os.sysconf("SC_CLK_TCK")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.supervise import server_supports
-from tests.e2e.upctl import UpProcess
+from tests.support.up import UpProcess
 
 RunUp = Callable[..., UpProcess]
 

@@ -17,10 +17,12 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.nginxctl import NGINX, Nginx, pairs_config, start_nginx
 from tests.e2e.test_up_fake import FAKE
-from tests.e2e.upctl import UpProcess
-from tests.support.llama import StreamLog, free_port, parse_metrics, stream_sse
+from tests.support.llama import parse_metrics
+from tests.support.nginx import NGINX, Nginx, pairs_config, start_nginx
+from tests.support.procs import free_port
+from tests.support.sse_client import StreamLog, stream_sse
+from tests.support.up import UpProcess
 
 pytestmark = [
     pytest.mark.nginx,

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from tests.e2e.test_up_fake import FAKE
-from tests.e2e.upctl import UpProcess
 from tests.support.llama import parse_metrics
+from tests.support.up import UpProcess
 
 PROBE = [sys.executable, "-c", "from sidecar.cli import main; main()", "probe"]
 

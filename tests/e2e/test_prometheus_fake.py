@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.promctl import (
+from tests.e2e.test_up_fake import FAKE
+from tests.support.prometheus import (
     PROMETHEUS,
     Prometheus,
     assert_every_scrape_succeeded,
@@ -23,9 +24,8 @@ from tests.e2e.promctl import (
     dashboard_queries,
     scrape_config,
 )
-from tests.e2e.test_up_fake import FAKE
-from tests.e2e.upctl import UpProcess
-from tests.support.llama import StreamLog, stream_sse
+from tests.support.sse_client import StreamLog, stream_sse
+from tests.support.up import UpProcess
 
 # Longer than the idle timeouts the sidecar gets here (keep-alive idle, first byte).
 SCRAPE_INTERVAL = "1s"

@@ -11,8 +11,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.upctl import UpProcess, alive, cmdline
-from tests.support.llama import stream_sse
+from tests.support.sse_client import stream_sse
+from tests.support.up import UpProcess, alive, cmdline
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

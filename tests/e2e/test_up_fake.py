@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.upctl import UpProcess, alive, cmdline
-from tests.support.llama import stream_sse
+from tests.support.sse_client import stream_sse
+from tests.support.up import UpProcess, alive, cmdline
 
 FAKE = Path(__file__).with_name("fake_llama_server.py")
 RunUp = Callable[..., UpProcess]
@@ -76,9 +76,9 @@ def test_sigkill_of_up_takes_the_children_with_it(run_up: RunUp) -> None:
     up = run_up()
     kids = up.children()
     assert len(kids) >= 2
-    assert up.proc is not None
-    os.kill(up.proc.pid, signal.SIGKILL)
-    up.proc.wait(10)
+    assert up.process is not None
+    os.kill(up.process.pid, signal.SIGKILL)
+    up.process.wait(10)
     # PR_SET_PDEATHSIG: the kernel kills them; nothing reparented to init survives.
     wait_until(lambda: not any(alive(p) for p in kids), 10, "the children to die")
 
@@ -116,7 +116,7 @@ def test_a_server_that_cannot_start_fails_fast_with_its_log(run_up: RunUp) -> No
     up = run_up("--", "--fake-fail", start=False)
     with pytest.raises(RuntimeError) as info:
         up.start(timeout=30)
-    assert up.proc is not None and up.proc.wait(10) == 1
+    assert up.process is not None and up.process.wait(10) == 1
     text = str(info.value)
     assert "exited during start-up" in text
     assert "invalid argument: --fake-fail" in text  # the log tail is shown

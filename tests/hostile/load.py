@@ -35,9 +35,9 @@ from urllib.parse import urlsplit
 import anyio
 import pytest
 
-from sidecar.server import ephemeral_config, start_subprocess
 from tests.proxy.fake_upstream import Script, chunk, sse_head
 from tests.proxy.rawclient import RawConn
+from tests.support.sidecar import ephemeral_config, start_subprocess
 
 PARK_ROUTE = "/v1/chat/completions"
 REPO = Path(__file__).resolve().parents[2]
@@ -356,7 +356,7 @@ def measure_park(kinds: Mapping[str, int], park: float, park_keepalive: float = 
             hostile = HostileProcess(proc.url, metrics, kinds)
         stream, probe = instruments.result(timeout=park + 60)
         done = hostile.stop() if hostile is not None else Counter()
-        assert proc.proc.poll() is None, "".join(proc.lines[-30:])
+        assert proc.alive(), "".join(proc.lines[-30:])
     finally:
         for child in (hostile, fake):
             if child is not None:

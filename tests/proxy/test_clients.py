@@ -15,8 +15,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sidecar.server import Sidecar, ephemeral_config, run_in_thread
+from sidecar.server import Sidecar
 from tests.proxy.fake_upstream import FakeUpstream, Script, fake_upstream_in_thread, sse_head
+from tests.support.sidecar import ephemeral_config, run_in_thread
 
 
 def openai_chunk(i: int, content: str | None, finish: str | None = None) -> bytes:

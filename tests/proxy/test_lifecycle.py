@@ -11,8 +11,8 @@ import anyio
 import httpx
 import pytest
 
-from sidecar.server import ephemeral_config, start_subprocess
 from tests.proxy.fake_upstream import FakeUpstream, chunk, fake_upstream_in_thread, sse_head
+from tests.support.sidecar import ephemeral_config, start_subprocess
 
 
 def _refused(url: str) -> bool:
@@ -97,12 +97,12 @@ def test_sigterm_drains_running_streams() -> None:
             t = _stream_in_thread(proc.url + "/v1/chat/completions", out)
             _wait_for(lambda: "first" in out)
             sent = time.monotonic()
-            proc.proc.send_signal(15)
+            proc.process.send_signal(15)
             _wait_for(lambda: _refused(proc.url), timeout=2)  # new connections refused
             t.join(10)
             assert "error" not in out, out.get("error")
             assert out["body"] == b"".join(chunk(i) for i in range(20)) + b"data: [DONE]\n\n"
-            assert proc.proc.wait(10) == 0
+            assert proc.process.wait(10) == 0
             assert time.monotonic() - sent < 10
         finally:
             proc.terminate()
@@ -123,8 +123,8 @@ def test_sigterm_cuts_streams_after_drain_timeout() -> None:
             t = _stream_in_thread(proc.url + "/v1/chat/completions", out)
             _wait_for(lambda: "first" in out)
             sent = time.monotonic()
-            proc.proc.send_signal(15)
-            assert proc.proc.wait(10) == 0
+            proc.process.send_signal(15)
+            assert proc.process.wait(10) == 0
             exited = time.monotonic() - sent
             t.join(5)
             assert 0.9 <= exited <= 5
@@ -190,7 +190,7 @@ async def test_thousand_concurrent_streams(fake: FakeUpstream) -> None:
                ("send", chunk(1)), ("end",)])  # fmt: skip
     config = ephemeral_config(fake.url, upstream_max_idle=64)
     proc = await anyio.to_thread.run_sync(start_subprocess, config)
-    pid = proc.proc.pid
+    pid = proc.pid
     try:
         fds_start = _fds(pid)
         fd_bound = fds_start + 64 + 4  # pooled upstream connections, a few loop internals

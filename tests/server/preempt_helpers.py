@@ -13,13 +13,14 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from tests.support.llama import parse_metrics, split_lines
+from tests.support.llama import parse_metrics
+from tests.support.sse_client import iter_lines
 
 CONTEXT_ERROR = "Context size has been exceeded."
 
@@ -160,7 +161,7 @@ def _complete(
                 except ValueError:
                     out.error = {"message": r.text}
                 return
-            for line in _sse_lines(r):
+            for line in iter_lines(r.iter_raw()):
                 if cancel_event is not None and cancel_event.is_set():
                     out.cancelled = True
                     return
@@ -183,18 +184,6 @@ def _complete(
                 if cancel_after_events is not None and out.n_events >= cancel_after_events:
                     out.cancelled = True
                     return
-
-
-def _sse_lines(r: httpx.Response) -> Iterator[str]:
-    """Lines of an SSE body split on bytes (CR, LF, CRLF only): generated text can hold U+0085 or
-    U+2028, which str.splitlines() (and so httpx's iter_lines) would take for line breaks."""
-    buf = b""
-    for chunk in r.iter_raw():
-        lines, buf = split_lines(buf + chunk)
-        for line in lines:
-            yield line.decode("utf-8", "replace")
-    if buf:
-        yield buf.decode("utf-8", "replace")
 
 
 def run_concurrently(calls: Iterable[Callable[[], Any]], stagger: float = 0.0) -> list[Any]:
@@ -375,7 +364,7 @@ def complete_many(
                 for out in outs:
                     out.error = r.json().get("error", {"message": r.text})
                 return outs
-            for line in _sse_lines(r):
+            for line in iter_lines(r.iter_raw()):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[len("data: ") :])
