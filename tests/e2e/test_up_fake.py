@@ -1,24 +1,23 @@
 """`llama-sidecar up` supervising a stand-in llama-server (no C++ build needed).
 
-The same CLI, sidecar and signals as in production; only llama-server is replaced by
-fake_llama_server.py, so these run everywhere and fast. test_up.py repeats the key ones
-against the real patched server and the tiny model.
+The same CLI, sidecar and signals as in production; only llama-server is replaced by the
+fake of tests/support/fake_upstream.py (`fake_server_bin`), so these run everywhere and
+fast. test_up.py repeats the key ones against the real patched server and the tiny model.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
+from tests.support.procs import wait_until
 from tests.support.sse_client import stream_sse
 from tests.support.up import UpProcess, alive, cmdline
 
-FAKE = Path(__file__).with_name("fake_llama_server.py")
 RunUp = Callable[..., UpProcess]
 
 
@@ -30,11 +29,11 @@ def fake_model(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def run_up(tmp_path: Path, fake_model: Path) -> Iterator[RunUp]:
+def run_up(tmp_path: Path, fake_model: Path, fake_server_bin: Path) -> Iterator[RunUp]:
     started: list[UpProcess] = []
 
     def make(*args: str, env: dict[str, str] | None = None, start: bool = True) -> UpProcess:
-        up = UpProcess(["--server-bin", str(FAKE), "--model", str(fake_model), *args],
+        up = UpProcess(["--server-bin", str(fake_server_bin), "--model", str(fake_model), *args],
                        tmp_path, env=env or {})  # fmt: skip
         started.append(up)
         return up.start(timeout=60) if start else up
@@ -42,15 +41,6 @@ def run_up(tmp_path: Path, fake_model: Path) -> Iterator[RunUp]:
     yield make
     for up in started:
         up.kill()
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def chat(up: UpProcess, tokens: int = 8) -> None:

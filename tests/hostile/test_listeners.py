@@ -22,8 +22,8 @@ from anyio.abc import SocketAttribute
 from sidecar.adapter import H11Stream
 from sidecar.server import Sidecar
 from tests.proxy.conftest import SidecarFactory
-from tests.proxy.fake_upstream import FakeUpstream, chunk, fake_upstream_in_thread, sse_head
 from tests.proxy.rawclient import RawConn
+from tests.support.fake_upstream import FakeUpstream, chunk, fake_upstream_in_thread, sse_head
 from tests.support.sidecar import ephemeral_config, start_subprocess
 
 GET_HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: m\r\n\r\n"

@@ -11,7 +11,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from sidecar.server import Sidecar
-from tests.proxy.fake_upstream import FakeUpstream
+from tests.support.fake_upstream import FakeUpstream
 from tests.support.sidecar import ephemeral_config
 
 

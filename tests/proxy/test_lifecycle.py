@@ -11,7 +11,8 @@ import anyio
 import httpx
 import pytest
 
-from tests.proxy.fake_upstream import FakeUpstream, chunk, fake_upstream_in_thread, sse_head
+from tests.support.fake_upstream import FakeUpstream, chunk, fake_upstream_in_thread, sse_head
+from tests.support.procs import wait_until
 from tests.support.sidecar import ephemeral_config, start_subprocess
 
 
@@ -41,13 +42,6 @@ def _stream_in_thread(url: str, out: dict[str, object]) -> threading.Thread:
     t = threading.Thread(target=run, daemon=True)
     t.start()
     return t
-
-
-def _wait_for(cond: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
 
 
 def test_cli_reads_environment() -> None:
@@ -95,10 +89,10 @@ def test_sigterm_drains_running_streams() -> None:
         try:
             out: dict[str, object] = {}
             t = _stream_in_thread(proc.url + "/v1/chat/completions", out)
-            _wait_for(lambda: "first" in out)
+            wait_until(lambda: "first" in out, what="the first bytes")
             sent = time.monotonic()
             proc.process.send_signal(15)
-            _wait_for(lambda: _refused(proc.url), timeout=2)  # new connections refused
+            wait_until(lambda: _refused(proc.url), 2, "new connections refused", every=0.01)
             t.join(10)
             assert "error" not in out, out.get("error")
             assert out["body"] == b"".join(chunk(i) for i in range(20)) + b"data: [DONE]\n\n"
@@ -121,7 +115,7 @@ def test_sigterm_cuts_streams_after_drain_timeout() -> None:
         try:
             out: dict[str, object] = {}
             t = _stream_in_thread(proc.url + "/v1/chat/completions", out)
-            _wait_for(lambda: "first" in out)
+            wait_until(lambda: "first" in out, what="the first bytes")
             sent = time.monotonic()
             proc.process.send_signal(15)
             assert proc.process.wait(10) == 0

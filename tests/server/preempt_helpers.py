@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 
 from tests.support.llama import parse_metrics
+from tests.support.procs import wait_until
 from tests.support.sse_client import iter_lines
 
 CONTEXT_ERROR = "Context size has been exceeded."
@@ -231,15 +232,8 @@ def wait_for(
     interval: float = 0.02,
     what: str = "condition",
 ) -> Any:
-    """Poll `predicate` until it returns something truthy; fail the test on timeout."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last value: {last!r})")
+    """Poll `predicate` until it returns something truthy (returned); fail on timeout."""
+    return wait_until(predicate, timeout, what, every=interval)
 
 
 def wait_settled(url: str, timeout: float = 30.0) -> dict[str, float]:

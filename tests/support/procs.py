@@ -30,9 +30,11 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, TypeVar
 
 import httpx
+
+T = TypeVar("T")
 
 
 def free_port() -> int:
@@ -43,14 +45,21 @@ def free_port() -> int:
 
 
 def wait_until(
-    cond: Callable[[], object], timeout: float = 10.0, what: str = "the condition",
+    cond: Callable[[], T], timeout: float = 10.0, what: str = "the condition",
     every: float = 0.05,
-) -> None:  # fmt: skip
-    """Poll ``cond`` until it is truthy; AssertionError naming ``what`` after ``timeout`` s."""
+) -> T:  # fmt: skip
+    """Poll ``cond`` until it returns something truthy, and return that.
+
+    AssertionError naming ``what`` (and the last value) after ``timeout`` seconds.
+    """
     deadline = time.monotonic() + timeout
-    while not cond():
+    while True:
+        last = cond()
+        if last:
+            return last
         if time.monotonic() >= deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+            raise AssertionError(
+                f"timed out after {timeout}s waiting for {what} (last value: {last!r})")
         time.sleep(every)
 
 
@@ -76,6 +85,16 @@ def http_answers(url: str, timeout: float = 2.0) -> Callable[[ManagedProcess], b
 
     def probe(_: ManagedProcess) -> bool:
         httpx.get(url, timeout=timeout)
+        return True
+
+    return probe
+
+
+def tcp_listening(port: int, host: str = "127.0.0.1") -> Callable[[ManagedProcess], bool]:
+    """A ready probe: a TCP connection to ``host:port`` is accepted."""
+
+    def probe(_: ManagedProcess) -> bool:
+        socket.create_connection((host, port), timeout=1.0).close()
         return True
 
     return probe
