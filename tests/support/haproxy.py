@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.procs import ManagedProcess, free_port, wait_until
+from tests.support.procs import ManagedProcess, Service, free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "docs" / "deploy" / "haproxy.cfg"
@@ -41,17 +41,13 @@ def pairs_config(pairs: list[tuple[int, int]], port: int, stats_port: int, inter
 
 
 @dataclass
-class HAProxy:
+class HAProxy(Service):
     tmp: Path
     pairs: list[tuple[int, int]]
     inter: str = "200ms"
     port: int = field(default_factory=free_port)
     stats_port: int = field(default_factory=free_port)
     process: ManagedProcess | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 10.0) -> HAProxy:
         assert HAPROXY is not None
@@ -81,7 +77,3 @@ class HAProxy:
         wait_until(lambda: self.status().get(server, "").startswith(want), timeout,
                    f"haproxy to mark {server} {want}")  # fmt: skip
         return time.monotonic()
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support.procs import ManagedProcess, ProcessDied, free_port, http_ok
+from tests.support.procs import ManagedProcess, ProcessDied, Service, free_port, http_ok
 from tests.support.sse_client import StreamLog, stream_sse
 
 # llama-server exited while starting (a rejected flag, a bad model): the log tail says why.
@@ -26,7 +26,7 @@ ServerDied = ProcessDied
 
 
 @dataclass
-class LlamaServer:
+class LlamaServer(Service):
     binary: Path
     model: Path
     args: Sequence[str] = ()
@@ -34,10 +34,6 @@ class LlamaServer:
     log_path: Path | None = None
     port: int = 0
     process: ManagedProcess | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 120.0) -> LlamaServer:
         self.port = self.port or free_port()
@@ -53,12 +49,6 @@ class LlamaServer:
         )  # fmt: skip
         self.process.start(timeout)
         return self
-
-    def alive(self) -> bool:
-        return self.process is not None and self.process.alive()
-
-    def stop(self) -> int | None:
-        return None if self.process is None else self.process.stop()
 
     def log_text(self) -> str:
         assert self.log_path is not None

@@ -9,7 +9,7 @@ import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from tests.support.procs import ManagedProcess, free_port, http_answers
+from tests.support.procs import ManagedProcess, Service, file_tail, free_port, http_answers
 
 REPO = Path(__file__).resolve().parents[2]
 SITE = REPO / "docs" / "nginx.conf"
@@ -31,7 +31,7 @@ def site_config(upstream_port: int, listen_port: int, read_timeout: str | None =
 
 
 @dataclass
-class Nginx:
+class Nginx(Service):
     """nginx in the foreground with ``site`` included in its ``http`` block.
 
     ``conf``, when given, is the whole nginx.conf instead (``{tmp}`` is the prefix); the
@@ -43,10 +43,6 @@ class Nginx:
     port: int = 0
     conf: str | None = None
     process: ManagedProcess | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 20.0) -> Nginx:
         assert NGINX is not None
@@ -74,12 +70,7 @@ class Nginx:
         return self
 
     def error_log(self) -> str:
-        p = self.tmp / "error.log"
-        return p.read_text(errors="replace")[-4000:] if p.exists() else ""
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
+        return file_tail(self.tmp / "error.log")
 
 
 def start_nginx(tmp: Path, upstream_port: int, read_timeout: str | None = None) -> Nginx:

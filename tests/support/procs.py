@@ -63,6 +63,11 @@ def wait_until(
         time.sleep(every)
 
 
+def file_tail(path: Path, chars: int = 4000) -> str:
+    """The last ``chars`` characters of a log file ("" if it does not exist yet)."""
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
 class ProcessFailed(RuntimeError):
     """A managed process did not come up; the message carries the end of its log."""
 
@@ -275,3 +280,24 @@ class ManagedProcess:
                 text = "\n".join(p.read_text(errors="replace").splitlines()[-n:])
                 parts.append(f"--- {p.name} ---\n{text}")
         return "\n".join(parts)
+
+
+class Service:
+    """Mixin for a program a test runs on a loopback port around a :class:`ManagedProcess`.
+
+    The dataclass that uses it declares ``port`` and ``process`` (None until started).
+    """
+
+    port: int
+    process: ManagedProcess | None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.alive()
+
+    def stop(self) -> int | None:
+        """Stop the process (its ``stop_signal``, then SIGKILL); its exit code."""
+        return None if self.process is None else self.process.stop()

@@ -13,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.procs import ManagedProcess, free_port, http_ok
+from tests.support.procs import ManagedProcess, Service, file_tail, free_port, http_ok
 
 REPO = Path(__file__).resolve().parents[2]
 GRAFANA = REPO / "grafana"
@@ -60,15 +60,11 @@ def metric_names(expr: str) -> set[str]:
 
 
 @dataclass
-class Prometheus:
+class Prometheus(Service):
     tmp: Path
     config: str
     port: int = 0
     process: ManagedProcess | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 60.0) -> Prometheus:
         assert PROMETHEUS is not None
@@ -86,8 +82,7 @@ class Prometheus:
         return self
 
     def log(self) -> str:
-        p = self.tmp / "prometheus.log"
-        return p.read_text(errors="replace")[-4000:] if p.exists() else ""
+        return file_tail(self.tmp / "prometheus.log")
 
     def query(self, expr: str) -> dict[str, Any]:
         """The raw API answer (status, data or errorType/error) of an instant query."""
@@ -110,10 +105,6 @@ class Prometheus:
         """Both jobs scraped successfully (target discovery alone takes up to 5 s)."""
         self.wait_for('up{job="llama-server"} == 1', timeout)
         self.wait_for('up{job="llama-sidecar"} == 1', timeout)
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.stop()
 
 
 def assert_every_scrape_succeeded(prom: Prometheus, window: str = "30s", at_least: int = 5) -> None:

@@ -19,7 +19,14 @@ from pathlib import Path
 
 import httpx
 
-from tests.support.procs import ManagedProcess, ProcessFailed, free_port, line_seen, wait_until
+from tests.support.procs import (
+    ManagedProcess,
+    ProcessFailed,
+    Service,
+    free_port,
+    line_seen,
+    wait_until,
+)
 
 READY = "llama-sidecar is up"
 
@@ -70,7 +77,7 @@ def cmdline(pid: int) -> str:
 
 
 @dataclass
-class UpProcess:
+class UpProcess(Service):
     args: Sequence[str]
     log_dir: Path
     env: dict[str, str] = field(default_factory=dict)
@@ -78,10 +85,6 @@ class UpProcess:
     server_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
     process: ManagedProcess | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
 
     @property
     def server_url(self) -> str:
