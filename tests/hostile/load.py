@@ -245,7 +245,7 @@ class _Child:
         self.process = ManagedProcess(
             [sys.executable, "-m", "tests.hostile.load", role, *args], f"load {role}",
             cwd=REPO, stdin=True, merge_stderr=False, nice=10 if nice else 0,
-            ready=lambda p: bool(p.lines), poll_every=0.001,
+            ready=lambda p: bool(p.lines), poll_every=0.01,
         ).start(timeout=60)
         self.first_line = self.process.lines[0].strip()
 

@@ -126,6 +126,21 @@ class ConnRecord:
     closed_at: float | None = None  # peer closed (EOF seen while serving or idle)
     closed: anyio.Event = field(default_factory=anyio.Event)
 
+    def peer_closed(self) -> None:
+        """Note the first moment the peer was seen gone."""
+        if self.closed_at is None:
+            self.closed_at = time.monotonic()
+            self.closed.set()
+
+
+async def _receive(stream: anyio.abc.SocketStream) -> bytes:
+    """The next bytes from the peer; b"" once it closed or the connection broke."""
+    try:
+        return await stream.receive()
+    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
+            ConnectionError):  # fmt: skip
+        return b""
+
 
 class FakeUpstream:
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
@@ -201,9 +216,7 @@ class FakeUpstream:
             ConnectionError,
             h11.ProtocolError,
         ):
-            if rec.closed_at is None:
-                rec.closed_at = time.monotonic()
-                rec.closed.set()
+            rec.peer_closed()
         finally:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
@@ -230,18 +243,9 @@ class FakeUpstream:
 
             async def watch() -> None:
                 while True:
-                    try:
-                        data = await stream.receive()
-                    except (
-                        anyio.EndOfStream,
-                        anyio.BrokenResourceError,
-                        anyio.ClosedResourceError,
-                        ConnectionError,
-                    ):
-                        data = b""
+                    data = await _receive(stream)
                     if not data:
-                        rec.closed_at = time.monotonic()
-                        rec.closed.set()
+                        rec.peer_closed()
                         tg.cancel_scope.cancel()
                         return
                     conn.receive_data(data)  # pipelined bytes for the next cycle
@@ -251,9 +255,7 @@ class FakeUpstream:
             try:
                 died = await self._steps(script, req, stream, conn)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
-                if rec.closed_at is None:
-                    rec.closed_at = time.monotonic()
-                    rec.closed.set()
+                rec.peer_closed()
             tg.cancel_scope.cancel()
         return rec.closed_at is None and not died
 
@@ -313,18 +315,9 @@ class _Reader:
         while True:
             ev = self.conn.next_event()
             if ev is h11.NEED_DATA:
-                try:
-                    data = await self.stream.receive()
-                except (
-                    anyio.EndOfStream,
-                    anyio.BrokenResourceError,
-                    anyio.ClosedResourceError,
-                    ConnectionError,
-                ):
-                    data = b""
-                if not data and self.rec.closed_at is None:
-                    self.rec.closed_at = time.monotonic()
-                    self.rec.closed.set()
+                data = await _receive(self.stream)
+                if not data:
+                    self.rec.peer_closed()
                 self.conn.receive_data(data)
                 continue
             assert isinstance(ev, h11.Event)
