@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """What the preemption patch costs when nothing parks, in instructions rather than seconds.
 
-    python benchmarks/cost_instructions.py [--short 64] [--long 576]
+    python -m benchmarks.cost_instructions [--short 64] [--long 576]
 
 Wall-clock tokens/s on a shared 2-core machine swing by +-30 % between runs, which hides a
 1 % overhead. Instruction counts do not: every llama-server process here runs under
@@ -20,19 +19,17 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from sidecar.paths import cache_dir
+from tests.support.procs import free_port
+from tests.support.tinymodel import ensure_model
 
-from sidecar.paths import cache_dir  # noqa: E402
-from sidecar.tinymodel import ensure_model  # noqa: E402
-from tests.support.llama import free_port  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 ARGS = ["-t", "1", "-tb", "1", "-c", "4096", "-np", "2", "--kv-unified", "--no-warmup"]
 

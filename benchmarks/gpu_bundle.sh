@@ -11,6 +11,6 @@ mkdir -p .device/cache/models
 tar -C "$src" -czf .device/llama-src.tar.gz --exclude=./models --exclude=./docs \
     --exclude=./tests --exclude=./benches --exclude=./examples --exclude=./media \
     --exclude=./gguf-py --exclude=./conversion --exclude=./.github --exclude=./.extracted .
-.venv/bin/llama-sidecar model --tiny >/dev/null
+.venv/bin/python -m tests.support.tinymodel tiny >/dev/null
 cp "$cache"/models/llama-sidecar-tiny-*.gguf .device/cache/models/
 du -sh .device

@@ -36,5 +36,5 @@ LLAMA_SERVER_BIN=$bin LLAMA_SERVER_EXTRA_ARGS="-ngl 99" \
 # Park/restore throughput with the KV cache in GPU memory.
 if [ -f benchmarks/preempt_bench.py ]; then
     LLAMA_SERVER_BIN=$bin LLAMA_SERVER_EXTRA_ARGS="-ngl 99" timeout "$(left 5)" \
-        python3 benchmarks/preempt_bench.py --only swap --json "$out/swap.json" 2>&1 | tee "$out/swap.log" | tail -15
+        python3 -m benchmarks.preempt_bench --only swap --json "$out/swap.json" 2>&1 | tee "$out/swap.log" | tail -15
 fi

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """What a parked stream hears (issue 5): the probe of `llama-sidecar probe` against three servers.
 
-    python benchmarks/keepalive_probe.py [--tokens N] [--stagger S] [--timeline] [--json FILE]
+    python -m benchmarks.keepalive_probe [--tokens N] [--stagger S] [--timeline] [--json FILE]
 
 Two streaming /completion requests on the slow test model, sized so that they overflow the
 pool together (2 x 420 tokens in 512 cells) and the second one is parked for seconds. The same
@@ -29,13 +28,12 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
+from sidecar.paths import cache_dir
+from sidecar.probe import ProbeOptions, run_probe, summarize
+from tests.support.llama import LlamaServer
+from tests.support.tinymodel import ensure_model
 
-from sidecar.paths import cache_dir  # noqa: E402
-from sidecar.probe import ProbeOptions, run_probe, summarize  # noqa: E402
-from sidecar.tinymodel import ensure_model  # noqa: E402
-from tests.support.llama import LlamaServer  # noqa: E402
+REPO = Path(__file__).resolve().parent.parent
 
 ARGS = ["--kv-unified", "-np", "2", "-t", "1", "-tb", "1", "--no-warmup"]
 

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """KV preemption benchmarks (issue 4): what parking costs and what it buys.
 
-    python benchmarks/preempt_bench.py [--rounds N] [--only cost,overload,swap] [--json FILE]
+    python -m benchmarks.preempt_bench [--rounds N] [--only cost,overload,swap] [--json FILE]
 
 1. cost:     tokens/s of the stock build vs the patched build with --preempt-ram on, when
              nothing parks (1 stream; 2 streams that fit), runs interleaved A B A B.
@@ -13,7 +12,7 @@
 
 Figures are ratios measured side by side in one run; the machine and its load change the
 absolute numbers. The binaries come from build_llama.sh (LLAMA_SERVER_BIN and
-LLAMA_SERVER_STOCK_BIN override them), the models from sidecar.tinymodel.
+LLAMA_SERVER_STOCK_BIN override them), the models from tests.support.tinymodel.
 """
 
 from __future__ import annotations
@@ -30,12 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from sidecar.paths import cache_dir  # noqa: E402
-from sidecar.tinymodel import ensure_model  # noqa: E402
-from tests.server.preempt_helpers import (  # noqa: E402
+from sidecar.paths import cache_dir
+from tests.server.preempt_helpers import (
     BASE,
     CONTEXT_ERROR,
     complete,
@@ -45,7 +40,10 @@ from tests.server.preempt_helpers import (  # noqa: E402
     run_concurrently,
     token_prompt,
 )
-from tests.support.llama import LlamaServer  # noqa: E402
+from tests.support.llama import LlamaServer
+from tests.support.tinymodel import ensure_model
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def binary(stock: bool) -> Path:

@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """What request priority buys a high-priority request under overload (issue 14).
 
-    python benchmarks/priority_bench.py [--rounds N] [--json FILE]
+    python -m benchmarks.priority_bench [--rounds N] [--json FILE]
 
 One patched server, a pool that three long low-priority generations overflow. When they are
 close to filling it, one short "interactive" request arrives. Two modes, interleaved round by
@@ -21,19 +20,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import threading
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchmarks.preempt_bench import Servers  # noqa: E402
-from sidecar.paths import cache_dir  # noqa: E402
-from sidecar.tinymodel import ensure_model  # noqa: E402
-from tests.server.preempt_helpers import (  # noqa: E402
+from benchmarks.preempt_bench import Servers
+from sidecar.paths import cache_dir
+from tests.server.preempt_helpers import (
     BASE,
     PARK,
     Completion,
@@ -44,6 +38,9 @@ from tests.server.preempt_helpers import (  # noqa: E402
     wait_for,
     wait_settled,
 )
+from tests.support.tinymodel import ensure_model
+
+REPO = Path(__file__).resolve().parent.parent
 
 POOL, N_LOW, N_HIGH = 768, 300, 64
 ARRIVE_AT = 225  # low tokens decoded when the interactive request arrives

@@ -21,7 +21,7 @@ docs/benchmarks.md say which they used).  ``--targets`` limits the run to some
 target names (``direct`` is always kept: the latency figures are relative to it);
 ``--skip-throughput`` measures latency only.
 
-Usage: python benchmarks/sidecar_relay.py [--quick] [--rounds 3] [--json OUT]
+Usage: python -m benchmarks.sidecar_relay [--quick] [--rounds 3] [--json OUT]
        [--pin] [--targets direct,nginx,sidecar[h11,asyncio]] [--skip-throughput]
 """
 
@@ -33,20 +33,17 @@ import json
 import os
 import re
 import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from tests.support.procs import ManagedProcess, free_port, line_seen, tcp_listening
+from tests.support.sidecar import SidecarProcess, ephemeral_config, start_subprocess
 
-from sidecar.server import SidecarProcess, ephemeral_config, start_subprocess
-
-HERE = Path(__file__).resolve().parent
+REPO = Path(__file__).resolve().parent.parent
 TICK = os.sysconf("SC_CLK_TCK")
 PAGE = os.sysconf("SC_PAGE_SIZE")
 
@@ -60,18 +57,13 @@ def rss_bytes(pid: int) -> int:
     return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * PAGE
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def start_upstream() -> tuple[subprocess.Popen[str], int]:
-    proc = subprocess.Popen(
-        [sys.executable, str(HERE / "sidecar_upstream.py"), "0"], stdout=subprocess.PIPE, text=True
-    )
-    assert proc.stdout is not None
-    line = proc.stdout.readline()
+def start_upstream() -> tuple[ManagedProcess, int]:
+    proc = ManagedProcess(
+        [sys.executable, "-m", "benchmarks.sidecar_upstream", "0"], "sidecar_upstream",
+        cwd=REPO, ready=line_seen("ready "), poll_every=0.01,
+    ).start(30)  # fmt: skip
+    line = proc.find_line("ready ")
+    assert line is not None
     return proc, int(line.split()[1])
 
 
@@ -95,21 +87,19 @@ http {{
 """
 
 
-def start_nginx(up: int, tmp: str) -> tuple[subprocess.Popen[bytes], int] | None:
+def start_nginx(up: int, tmp: str) -> tuple[ManagedProcess, int] | None:
     binary = shutil.which("nginx") or "/usr/sbin/nginx"
     if not Path(binary).exists():
         return None
     port = free_port()
     conf = Path(tmp) / "nginx.conf"
     conf.write_text(NGINX_CONF.format(tmp=tmp, up=up, port=port))
-    proc = subprocess.Popen([binary, "-p", tmp, "-c", str(conf), "-e", f"{tmp}/error.log"])
-    for _ in range(200):
-        try:
-            socket.create_connection(("127.0.0.1", port), 1).close()
-            return proc, port
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError("nginx did not start")
+    proc = ManagedProcess(
+        [binary, "-p", tmp, "-c", str(conf), "-e", f"{tmp}/error.log"], "nginx",
+        log_path=Path(tmp) / "nginx.out", ready=tcp_listening(port),
+        extra_logs=[Path(tmp) / "error.log"],
+    ).start(10)  # fmt: skip
+    return proc, port
 
 
 # ----------------------------------------------------------------- client side
@@ -280,7 +270,7 @@ def main() -> None:
                     continue
                 sp = start_sidecar(up, client, loop)
                 procs.append(sp)
-                targets.append(Target(name, int(sp.url.rsplit(":", 1)[1]), sp.proc.pid))
+                targets.append(Target(name, int(sp.url.rsplit(":", 1)[1]), sp.pid))
             if wanted is not None:
                 targets = [t for t in targets if t.name in wanted]
             if args.pin:
@@ -313,10 +303,8 @@ def main() -> None:
             for sp in procs:
                 sp.terminate(5)
             if ngx:
-                ngx[0].terminate()
-                ngx[0].wait()
-            up_proc.terminate()
-            up_proc.wait()
+                ngx[0].stop()
+            up_proc.stop()
     report(results)
     if args.json:
         args.json.write_text(json.dumps(results, indent=2))

@@ -7,7 +7,7 @@ Paths (GET, keep-alive):
   /park?secs=T        ': preempted', silence for T seconds, ': resumed', one event
 
 Events look like llama-server chat chunks (~200 bytes).  Run:
-``python benchmarks/sidecar_upstream.py PORT``; prints ``ready PORT``.
+``python -m benchmarks.sidecar_upstream PORT``; prints ``ready PORT``.
 """
 
 from __future__ import annotations

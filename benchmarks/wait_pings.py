@@ -1,7 +1,6 @@
-#!/usr/bin/env python3
 """Patch 0001 side by side: pings a waiting stream gets on a busy server, stock vs patched.
 
-    python benchmarks/wait_pings.py [--rounds N]
+    python -m benchmarks.wait_pings [--rounds N]
 
 The scenario of tests/server/test_fixed_deadline_wait.py (stream A generates while stream B
 prefills 25,000 tokens in 64-token batches, --sse-ping-interval 1), run on the stock and the
@@ -13,22 +12,20 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from sidecar.paths import cache_dir  # noqa: E402
-from sidecar.tinymodel import ensure_model  # noqa: E402
-from tests.server.test_fixed_deadline_wait import (  # noqa: E402
+from sidecar.paths import cache_dir
+from tests.server.test_fixed_deadline_wait import (
     ARGS,
     busy_prefill,
     check_scenario,
     prefill_window,
 )
-from tests.support.llama import LlamaServer  # noqa: E402
+from tests.support.llama import LlamaServer
+from tests.support.tinymodel import ensure_model
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def binary(stock: bool) -> Path:

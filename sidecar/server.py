@@ -25,17 +25,9 @@ Programmatic API
     stop; ``sidecar.stop()`` stops at once.
 ``await serve(config, registry=None, *, task_status=...)``
     Shorthand for ``Sidecar(config, registry).run(task_status=...)``.
-``run_in_thread(config, registry=None)``
-    Context manager running a sidecar on its own event loop in a background
-    thread; yields the started :class:`Sidecar` (use ``.url``).  For tests and
-    for tools that are not async.
-``start_subprocess(config, env=None)``
-    Starts the ``proxy`` command in a child Python with every option of the config as a
-    flag (:func:`~sidecar.config.config_argv`), waits for
-    its ready line and returns a :class:`SidecarProcess` (``.url``,
-    ``.metrics_url``, ``.terminate()`` sends SIGTERM and waits).
-``ephemeral_config(upstream, **overrides)``
-    A :class:`~sidecar.config.Config` with both listeners on free loopback ports.
+
+Test helpers (a config on free ports, a sidecar in a thread or a child process) live in
+``tests/support/sidecar.py``.
 """
 
 from __future__ import annotations
@@ -44,29 +36,20 @@ import asyncio
 import importlib.util
 import logging
 import os
-import re
-import selectors
-import signal
 import socket
-import subprocess
-import sys
-import threading
-import time
-from collections.abc import Callable, Coroutine, Iterator, Mapping
-from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from collections.abc import Callable, Coroutine
+from contextlib import suppress
 from typing import Any
 
 import anyio
 import anyio.abc
 import h11
 from anyio.abc import SocketAttribute
-from anyio.from_thread import start_blocking_portal
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
 from sidecar.adapter import H11Stream
-from sidecar.config import Config, config_argv, format_hostport
+from sidecar.config import Config, format_hostport
 from sidecar.errors import ClientDisconnected, ClientError
 from sidecar.headers import get_header
 from sidecar.metrics import Metrics, status_class
@@ -75,19 +58,10 @@ from sidecar.relay import AccessRecord, Context, Exchange, answer_error, client_
 from sidecar.transport import TransportStream, accepted
 from sidecar.upstream import UpstreamClient, make_upstream
 
-__all__ = [
-    "Sidecar",
-    "SidecarProcess",
-    "ephemeral_config",
-    "run_in_thread",
-    "serve",
-    "start_subprocess",
-]
+__all__ = ["Sidecar", "serve"]
 
 log = logging.getLogger("sidecar")
 access_log = logging.getLogger("sidecar.access")
-_SUBPROCESS_MAIN = "from sidecar.cli.proxy import main; main()"
-READY_RE = re.compile(r"listening on (http://\S+) metrics (\S+)")
 # The metrics listener expects no request bodies; a small one is read and dropped.
 METRICS_MAX_BODY = 64 * 1024
 
@@ -454,100 +428,3 @@ async def serve(
 ) -> None:
     """Run a sidecar until cancelled; ``task_status.started`` gets the :class:`Sidecar`."""
     await Sidecar(config, registry).run(task_status=task_status)
-
-
-def ephemeral_config(upstream: str, **overrides: object) -> Config:
-    """A config whose listeners bind free loopback ports (port 0)."""
-    values: dict[str, object] = {
-        "listen": "127.0.0.1:0",
-        "metrics_listen": "127.0.0.1:0",
-        "upstream": upstream,
-        # no readiness polling unless a test asks for it: it would add requests upstream
-        "ready_poll": 0.0,
-    }
-    values.update(overrides)
-    return Config(**values)  # type: ignore[arg-type]
-
-
-@contextmanager
-def run_in_thread(config: Config, registry: CollectorRegistry | None = None) -> Iterator[Sidecar]:
-    """Run a sidecar on an event loop in a background thread; yield it once bound."""
-    options = {"use_uvloop": True} if _use_uvloop() else {}
-    with start_blocking_portal("asyncio", options) as portal:
-        sidecar = Sidecar(config, registry)
-        future, _ = portal.start_task(sidecar.run)
-        try:
-            yield sidecar
-        finally:
-            portal.call(sidecar.stop)
-            future.result(timeout=10)
-
-
-@dataclass
-class SidecarProcess:
-    """A sidecar in a child process (``python -m sidecar.cli.proxy``)."""
-
-    proc: subprocess.Popen[str]
-    url: str
-    metrics_url: str | None
-    lines: list[str] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        # Keep reading the child's output so a chatty access log never blocks it.
-        self._reader = threading.Thread(target=self._drain_output, daemon=True)
-        self._reader.start()
-
-    def _drain_output(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self.lines.append(line)
-            if len(self.lines) > 10_000:
-                del self.lines[:5_000]
-
-    def terminate(self, timeout: float = 30.0) -> int:
-        """SIGTERM (graceful drain), wait, return the exit code."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-        try:
-            code = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            code = self.proc.wait()
-        self._reader.join(5)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-        return code
-
-
-def start_subprocess(
-    config: Config, env: Mapping[str, str] | None = None, timeout: float = 20.0
-) -> SidecarProcess:
-    """Start the sidecar CLI in a child process and wait until it listens."""
-    cmd = [sys.executable, "-c", _SUBPROCESS_MAIN, *config_argv(config)]
-    full_env = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env
-    )
-    assert proc.stdout is not None
-    lines: list[str] = []
-    deadline = time.monotonic() + timeout
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
-    try:
-        while time.monotonic() < deadline:
-            if not sel.select(max(0.0, deadline - time.monotonic())):
-                break
-            line = proc.stdout.readline()
-            if not line:
-                break
-            lines.append(line)
-            m = READY_RE.search(line)
-            if m:
-                metrics = None if m.group(2) == "None" else m.group(2)
-                return SidecarProcess(proc, m.group(1), metrics, lines)
-    finally:
-        sel.close()
-    proc.kill()
-    proc.wait()
-    proc.stdout.close()
-    raise RuntimeError("sidecar did not start:\n" + "".join(lines))

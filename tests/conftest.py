@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from sidecar.paths import cache_dir
-from sidecar.tinymodel import ensure_model
 from tests.support.llama import LlamaServer
+from tests.support.tinymodel import ensure_model
 
 REPO = Path(__file__).resolve().parent.parent
 

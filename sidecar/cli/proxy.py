@@ -8,7 +8,7 @@ Once both listeners are bound, one line is printed on stdout::
 
     llama-sidecar: listening on http://127.0.0.1:8081 metrics http://127.0.0.1:9464/metrics
 
-(:func:`sidecar.server.start_subprocess` waits for it.)
+(``tests/support/sidecar.py``'s ``start_subprocess`` waits for it.)
 """
 
 from __future__ import annotations
@@ -105,7 +105,7 @@ async def _main(config: Config) -> None:
 
 
 def main() -> None:
-    """Run only this command (used by :func:`sidecar.server.start_subprocess`)."""
+    """Run only this command (how `up` and the tests start the sidecar in a child)."""
     typer.run(proxy)
 
 

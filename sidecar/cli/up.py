@@ -67,9 +67,6 @@ def up(
         str | None,
         typer.Option("--model", "-m", help=MODEL_HELP, show_default=False),
     ] = None,
-    tiny: Annotated[
-        bool, typer.Option(help="Use the generated tiny test model (random weights).")
-    ] = False,
     parallel: Annotated[
         int, typer.Option("--parallel", "-np", min=1, help="llama-server slots.")
     ] = 4,
@@ -129,7 +126,7 @@ def up(
         binary = server_bin or build_binary(cuda=cuda)
         if not binary.is_file():
             raise FileNotFoundError(f"no llama-server binary at {binary}")
-        model_path = resolve_model(model, tiny=tiny)
+        model_path = resolve_model(model)
     except ImportError as e:
         typer.echo(f"error: {e}; install the test extras: pip install -e '.[test]'", err=True)
         raise typer.Exit(1) from None

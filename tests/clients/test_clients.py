@@ -26,8 +26,8 @@ import httpx
 import pytest
 
 from sidecar.supervise import server_supports
-from tests.e2e.nginxctl import NGINX, Nginx, start_nginx
-from tests.e2e.upctl import UpProcess
+from tests.support.nginx import NGINX, Nginx, start_nginx
+from tests.support.up import UpProcess
 
 pytestmark = [
     pytest.mark.server,

@@ -8,12 +8,19 @@ from pathlib import Path
 import pytest
 
 from sidecar.supervise import server_supports
-from tests.e2e.upctl import UpProcess
+from tests.support import fake_upstream
+from tests.support.up import UpProcess
 
 RunUp = Callable[..., UpProcess]
 
 # Two streams that cannot fit the 256-cell pool together (PREEMPTION.md, issue 4 test 2).
 OVERFLOW_ARGS = ("--parallel", "2", "--ctx-size", "256", "--preempt-ram", "8192")
+
+
+@pytest.fixture(scope="session")
+def fake_server_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An executable stand-in for llama-server (:mod:`tests.support.fake_upstream`)."""
+    return fake_upstream.fake_server_bin(tmp_path_factory.mktemp("fake-llama-server"))
 
 
 @pytest.fixture(scope="session")
@@ -32,12 +39,17 @@ def preempting_server_bin(llama_server_bin: Path) -> Path:
 
 
 @pytest.fixture
-def run_preempting_up(tmp_path: Path, preempting_server_bin: Path) -> Iterator[RunUp]:
-    """Factory: run_preempting_up(*up_args, env=...) -> a started UpProcess (always stopped)."""
+def run_preempting_up(tmp_path: Path, preempting_server_bin: Path,
+                      tiny_model: Path) -> Iterator[RunUp]:  # fmt: skip
+    """Factory: run_preempting_up(*up_args, env=...) -> a started UpProcess (always stopped).
+
+    It serves the tiny test model.
+    """
     started: list[UpProcess] = []
 
     def make(*args: str, env: dict[str, str] | None = None) -> UpProcess:
-        up = UpProcess(["--server-bin", str(preempting_server_bin), *args],
+        up = UpProcess(["--server-bin", str(preempting_server_bin), "--model", str(tiny_model),
+                        *args],
                        tmp_path / f"up{len(started)}", env=env or {})  # fmt: skip
         up.log_dir.mkdir(parents=True)
         started.append(up)

@@ -9,8 +9,8 @@ import httpx
 import pytest
 
 from sidecar.cli.model import SMOLLM2_FILE
-from tests.e2e.upctl import UpProcess, cmdline
-from tests.support.llama import stream_sse
+from tests.support.sse_client import stream_sse
+from tests.support.up import UpProcess, cmdline
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

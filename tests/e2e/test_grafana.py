@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.promctl import (
+from tests.support.prometheus import (
     GRAFANA,
     PROMETHEUS,
     PROMTOOL,

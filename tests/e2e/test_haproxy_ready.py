@@ -16,9 +16,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from sidecar.server import SidecarProcess, ephemeral_config, start_subprocess
 from tests.conftest import StartServer
-from tests.e2e.haproxyctl import HAPROXY, HAProxy
 from tests.server.preempt_helpers import (
     BASE,
     PARK,
@@ -30,6 +28,8 @@ from tests.server.preempt_helpers import (
     token_prompt,
     wait_for,
 )
+from tests.support.haproxy import HAPROXY, HAProxy
+from tests.support.sidecar import SidecarProcess, ephemeral_config, start_subprocess
 
 pytestmark = [
     pytest.mark.server,

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import RunUp
-from tests.e2e.nginxctl import NGINX, start_nginx
-from tests.support.llama import StreamLog, stream_sse
+from tests.support.nginx import NGINX, start_nginx
+from tests.support.sse_client import StreamLog, stream_sse
 
 pytestmark = [
     pytest.mark.server,

@@ -17,10 +17,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.nginxctl import NGINX, Nginx, pairs_config, start_nginx
-from tests.e2e.test_up_fake import FAKE
-from tests.e2e.upctl import UpProcess
-from tests.support.llama import StreamLog, free_port, parse_metrics, stream_sse
+from tests.support.llama import parse_metrics
+from tests.support.nginx import NGINX, Nginx, pairs_config, start_nginx
+from tests.support.procs import free_port
+from tests.support.sse_client import StreamLog, stream_sse
+from tests.support.up import UpProcess
 
 pytestmark = [
     pytest.mark.nginx,
@@ -32,12 +33,13 @@ PARK_S = 3.0
 
 
 @pytest.fixture
-def parked_up(tmp_path: Path) -> Iterator[UpProcess]:
+def parked_up(tmp_path: Path, fake_server_bin: Path) -> Iterator[UpProcess]:
     model = tmp_path / "fake.gguf"
     model.write_bytes(b"GGUF")
     env = {"FAKE_PARK_S": str(PARK_S), "FAKE_PARK_KEEPALIVE_S": "0",
            "LLAMA_SIDECAR_PARK_KEEPALIVE": "0.3"}  # fmt: skip
-    up = UpProcess(["--server-bin", str(FAKE), "--model", str(model)], tmp_path / "up", env=env)
+    up = UpProcess(["--server-bin", str(fake_server_bin), "--model", str(model)], tmp_path / "up",
+                   env=env)  # fmt: skip
     up.log_dir.mkdir()
     try:
         yield up.start(timeout=60)
@@ -79,13 +81,15 @@ def test_control_the_same_park_straight_to_the_server_is_cut_by_nginx(
     assert "upstream timed out" in nginx.error_log()
 
 
-def test_deploy_pairs_config_spreads_streams_over_two_pairs(tmp_path: Path) -> None:
+def test_deploy_pairs_config_spreads_streams_over_two_pairs(tmp_path: Path,
+                                                           fake_server_bin: Path) -> None:
     """docs/deploy/nginx-pairs.conf (least_conn) over two `up` pairs: four concurrent
     streams land two on each pair (each pair's sidecar counts its own)."""
     model = tmp_path / "fake.gguf"
     model.write_bytes(b"GGUF")
-    ups = [UpProcess(["--server-bin", str(FAKE), "--model", str(model)], tmp_path / f"pair{i}",
-                     env={"FAKE_PARK_S": "1.5"}) for i in range(2)]  # fmt: skip
+    ups = [UpProcess(["--server-bin", str(fake_server_bin), "--model", str(model)],
+                     tmp_path / f"pair{i}", env={"FAKE_PARK_S": "1.5"})
+           for i in range(2)]  # fmt: skip
     nginx = None
     try:
         for up in ups:

@@ -24,7 +24,7 @@ def server_counters(url: str) -> tuple[float, float]:
 
 def test_probe_reports_the_parks_the_server_reports(run_preempting_up: RunUp,
                                                     tmp_path: Path) -> None:  # fmt: skip
-    up = run_preempting_up("--tiny", *OVERFLOW_ARGS, "--", "-t", "1")
+    up = run_preempting_up(*OVERFLOW_ARGS, "--", "-t", "1")
     parks0, resumes0 = server_counters(up.server_url)
     png = tmp_path / "probe.png"
     cmd = [sys.executable, "-c", "from sidecar.cli import main; main()", "probe", up.url,
@@ -52,7 +52,7 @@ def test_probe_reports_the_parks_the_server_reports(run_preempting_up: RunUp,
 
 
 def test_probe_prints_a_timeline_and_a_table(run_preempting_up: RunUp) -> None:
-    up = run_preempting_up("--tiny", *OVERFLOW_ARGS, "--", "-t", "1")
+    up = run_preempting_up(*OVERFLOW_ARGS, "--", "-t", "1")
     cmd = [sys.executable, "-c", "from sidecar.cli import main; main()", "probe", up.url,
            "-n", "2", "-t", "160"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

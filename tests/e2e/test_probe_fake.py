@@ -15,24 +15,23 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.test_up_fake import FAKE
-from tests.e2e.upctl import UpProcess
 from tests.support.llama import parse_metrics
+from tests.support.up import UpProcess
 
 PROBE = [sys.executable, "-c", "from sidecar.cli import main; main()", "probe"]
 
 
-def parking_up(tmp_path: Path, park_s: float) -> UpProcess:
+def parking_up(tmp_path: Path, server_bin: Path, park_s: float) -> UpProcess:
     model = tmp_path / "fake.gguf"
     model.write_bytes(b"GGUF")
-    up = UpProcess(["--server-bin", str(FAKE), "--model", str(model), "--drain-timeout", "1"],
+    up = UpProcess(["--server-bin", str(server_bin), "--model", str(model), "--drain-timeout", "1"],
                    tmp_path, env={"FAKE_PARK_S": str(park_s)})  # fmt: skip
     return up.start(timeout=60)
 
 
 @pytest.fixture
-def up_parking_1s(tmp_path: Path) -> Iterator[UpProcess]:
-    up = parking_up(tmp_path, 1.2)
+def up_parking_1s(tmp_path: Path, fake_server_bin: Path) -> Iterator[UpProcess]:
+    up = parking_up(tmp_path, fake_server_bin, 1.2)
     yield up
     up.kill()
 
@@ -57,8 +56,8 @@ def test_probe_json_counts_what_the_server_sent_and_plots(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_ctrl_c_prints_the_partial_summary(tmp_path: Path) -> None:
-    up = parking_up(tmp_path, 60)
+def test_ctrl_c_prints_the_partial_summary(tmp_path: Path, fake_server_bin: Path) -> None:
+    up = parking_up(tmp_path, fake_server_bin, 60)
     try:
         proc = subprocess.Popen([*PROBE, up.url, "-n", "2", "-t", "6"], stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)  # fmt: skip

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.promctl import (
+from tests.support.prometheus import (
     PROMETHEUS,
     Prometheus,
     assert_every_scrape_succeeded,
@@ -23,9 +23,8 @@ from tests.e2e.promctl import (
     dashboard_queries,
     scrape_config,
 )
-from tests.e2e.test_up_fake import FAKE
-from tests.e2e.upctl import UpProcess
-from tests.support.llama import StreamLog, stream_sse
+from tests.support.sse_client import StreamLog, stream_sse
+from tests.support.up import UpProcess
 
 # Longer than the idle timeouts the sidecar gets here (keep-alive idle, first byte).
 SCRAPE_INTERVAL = "1s"
@@ -38,10 +37,11 @@ pytestmark = [
 ]
 
 
-def test_dashboard_queries_on_live_data_from_a_parking_stand_in(tmp_path: Path) -> None:
+def test_dashboard_queries_on_live_data_from_a_parking_stand_in(tmp_path: Path,
+                                                              fake_server_bin: Path) -> None:
     model = tmp_path / "fake.gguf"
     model.write_bytes(b"GGUF")
-    up = UpProcess(["--server-bin", str(FAKE), "--model", str(model)], tmp_path,
+    up = UpProcess(["--server-bin", str(fake_server_bin), "--model", str(model)], tmp_path,
                    env={"FAKE_PARK_S": "2", **SHORT_METRICS_TIMEOUTS})  # fmt: skip
     prom = None
     try:

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.conftest import OVERFLOW_ARGS, RunUp
-from tests.e2e.promctl import (
+from tests.e2e.test_prometheus_fake import SCRAPE_INTERVAL, SHORT_METRICS_TIMEOUTS
+from tests.support.prometheus import (
     PROMETHEUS,
     Prometheus,
     assert_every_scrape_succeeded,
@@ -20,8 +21,7 @@ from tests.e2e.promctl import (
     metric_names,
     scrape_config,
 )
-from tests.e2e.test_prometheus_fake import SCRAPE_INTERVAL, SHORT_METRICS_TIMEOUTS
-from tests.support.llama import StreamLog, stream_sse
+from tests.support.sse_client import StreamLog, stream_sse
 
 pytestmark = [
     pytest.mark.server,

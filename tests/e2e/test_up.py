@@ -1,18 +1,18 @@
-"""`llama-sidecar up --tiny` with the real patched llama-server and the sidecar."""
+"""`llama-sidecar up` with the real patched llama-server, the tiny test model and the sidecar."""
 
 from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.upctl import UpProcess, alive, cmdline
-from tests.support.llama import stream_sse
+from tests.support.procs import wait_until
+from tests.support.sse_client import stream_sse
+from tests.support.up import UpProcess, alive, cmdline
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 
@@ -26,7 +26,8 @@ def run_up(tmp_path: Path, llama_server_bin: Path, tiny_model: Path) -> Iterator
     started: list[UpProcess] = []
 
     def make(*args: str, env: dict[str, str] | None = None) -> UpProcess:
-        up = UpProcess(["--server-bin", str(llama_server_bin), *args], tmp_path, env=env or {})
+        up = UpProcess(["--server-bin", str(llama_server_bin), "--model", str(tiny_model), *args],
+                       tmp_path, env=env or {})  # fmt: skip
         started.append(up)
         return up.start(timeout=240)
 
@@ -36,7 +37,7 @@ def run_up(tmp_path: Path, llama_server_bin: Path, tiny_model: Path) -> Iterator
 
 
 def test_up_tiny_serves_a_streamed_chat_and_sigterm_leaves_nothing(run_up: RunUp) -> None:
-    up = run_up("--tiny", "--parallel", "2", "--ctx-size", "512", "--", "-t", "1")
+    up = run_up("--parallel", "2", "--ctx-size", "512", "--", "-t", "1")
     server = up.server_pid()
     argv = cmdline(server)
     for flag in ("--kv-unified", "--parallel 2", "--metrics", "--sse-ping-interval 1"):
@@ -57,13 +58,10 @@ def test_up_tiny_serves_a_streamed_chat_and_sigterm_leaves_nothing(run_up: RunUp
 
 
 def test_up_restarts_a_killed_llama_server(run_up: RunUp) -> None:
-    up = run_up("--tiny", "--parallel", "2", "--ctx-size", "512", "--", "-t", "1")
+    up = run_up("--parallel", "2", "--ctx-size", "512", "--", "-t", "1")
     first = up.server_pid()
     os.kill(first, signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while "llama-server is back" not in up.text():
-        assert time.monotonic() < deadline, up.text()
-        time.sleep(0.2)
+    wait_until(lambda: "llama-server is back" in up.text(), 120, "the restart", every=0.2)
     assert up.server_pid() != first
     up.wait_healthy()
     log = stream_sse(up.url + "/v1/chat/completions", CHAT, timeout=120)

@@ -1,24 +1,23 @@
 """`llama-sidecar up` supervising a stand-in llama-server (no C++ build needed).
 
-The same CLI, sidecar and signals as in production; only llama-server is replaced by
-fake_llama_server.py, so these run everywhere and fast. test_up.py repeats the key ones
-against the real patched server and the tiny model.
+The same CLI, sidecar and signals as in production; only llama-server is replaced by the
+fake of tests/support/fake_upstream.py (`fake_server_bin`), so these run everywhere and
+fast. test_up.py repeats the key ones against the real patched server and the tiny model.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.e2e.upctl import UpProcess, alive, cmdline
-from tests.support.llama import stream_sse
+from tests.support.procs import wait_until
+from tests.support.sse_client import stream_sse
+from tests.support.up import UpProcess, alive, cmdline
 
-FAKE = Path(__file__).with_name("fake_llama_server.py")
 RunUp = Callable[..., UpProcess]
 
 
@@ -30,11 +29,11 @@ def fake_model(tmp_path: Path) -> Path:
 
 
 @pytest.fixture
-def run_up(tmp_path: Path, fake_model: Path) -> Iterator[RunUp]:
+def run_up(tmp_path: Path, fake_model: Path, fake_server_bin: Path) -> Iterator[RunUp]:
     started: list[UpProcess] = []
 
     def make(*args: str, env: dict[str, str] | None = None, start: bool = True) -> UpProcess:
-        up = UpProcess(["--server-bin", str(FAKE), "--model", str(fake_model), *args],
+        up = UpProcess(["--server-bin", str(fake_server_bin), "--model", str(fake_model), *args],
                        tmp_path, env=env or {})  # fmt: skip
         started.append(up)
         return up.start(timeout=60) if start else up
@@ -42,15 +41,6 @@ def run_up(tmp_path: Path, fake_model: Path) -> Iterator[RunUp]:
     yield make
     for up in started:
         up.kill()
-
-
-def wait_until(cond: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if cond():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def chat(up: UpProcess, tokens: int = 8) -> None:
@@ -76,9 +66,9 @@ def test_sigkill_of_up_takes_the_children_with_it(run_up: RunUp) -> None:
     up = run_up()
     kids = up.children()
     assert len(kids) >= 2
-    assert up.proc is not None
-    os.kill(up.proc.pid, signal.SIGKILL)
-    up.proc.wait(10)
+    assert up.process is not None
+    os.kill(up.process.pid, signal.SIGKILL)
+    up.process.wait(10)
     # PR_SET_PDEATHSIG: the kernel kills them; nothing reparented to init survives.
     wait_until(lambda: not any(alive(p) for p in kids), 10, "the children to die")
 
@@ -116,7 +106,7 @@ def test_a_server_that_cannot_start_fails_fast_with_its_log(run_up: RunUp) -> No
     up = run_up("--", "--fake-fail", start=False)
     with pytest.raises(RuntimeError) as info:
         up.start(timeout=30)
-    assert up.proc is not None and up.proc.wait(10) == 1
+    assert up.process is not None and up.process.wait(10) == 1
     text = str(info.value)
     assert "exited during start-up" in text
     assert "invalid argument: --fake-fail" in text  # the log tail is shown

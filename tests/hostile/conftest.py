@@ -1,6 +1,6 @@
 """Hostile clients and a lying upstream against a sidecar on loopback.
 
-The fixtures are the proxy tests' (a scripted :class:`~tests.proxy.fake_upstream.FakeUpstream`
+The fixtures are the proxy tests' (a scripted :class:`~tests.support.fake_upstream.FakeUpstream`
 and a sidecar in the test's event loop); the raw-socket client is
 :class:`~tests.proxy.rawclient.RawConn`.  Every test names the behaviour it pins down and
 sends exact bytes, like nginx-tests and HAProxy's reg-tests.

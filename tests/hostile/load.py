@@ -1,13 +1,14 @@
 """Measuring instruments and hostile clients for the fairness tests.
 
-The sidecar under test runs in a child process (:func:`sidecar.server.start_subprocess`)
+The sidecar under test runs in a child process (:func:`tests.support.sidecar.start_subprocess`)
 so that what the hostile clients cost it is measured on its own event loop.  The two
-instruments use blocking sockets in threads of a process of their own
+instruments use blocking clients in threads of a process of their own
 (:class:`Instruments`, ``python -m tests.hostile.load``), so their timestamps depend
 neither on how busy the test's event loop is nor on who holds its GIL:
 
-* :class:`ParkedStream`: one streaming request whose upstream parks; records when each
-  read arrived and reports the longest gap between the park notice and the resume;
+* :class:`ParkedStream`: one streaming request whose upstream parks, recorded by
+  :func:`tests.support.sse_client.stream_sse` (when each read arrived); reports the
+  longest gap between the park notice and the resume;
 * :class:`HealthProbe`: ``GET /healthz`` on the metrics listener every ``every`` seconds
   (a new connection each time), recording each answer's latency.
 
@@ -21,7 +22,6 @@ import itertools
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 import time
@@ -33,11 +33,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import anyio
+import httpx
 import pytest
 
-from sidecar.server import ephemeral_config, start_subprocess
-from tests.proxy.fake_upstream import Script, chunk, sse_head
 from tests.proxy.rawclient import RawConn
+from tests.support.fake_upstream import Script, chunk, sse_head
+from tests.support.procs import ManagedProcess
+from tests.support.sidecar import ephemeral_config, start_subprocess
+from tests.support.sse_client import stream_sse
 
 PARK_ROUTE = "/v1/chat/completions"
 REPO = Path(__file__).resolve().parents[2]
@@ -62,7 +65,7 @@ class ParkedStream:
 
     url: str
     reads: list[tuple[float, bytes]] = field(default_factory=list)
-    error: BaseException | None = None
+    error: str | None = None
 
     def start(self) -> ParkedStream:
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -70,20 +73,14 @@ class ParkedStream:
         return self
 
     def _run(self) -> None:
+        def on_read(_: float, data: bytes) -> None:
+            self.reads.append((time.monotonic(), data))
+
         try:
-            with socket.create_connection(_addr(self.url), timeout=60) as s:
-                s.sendall(b"POST " + PARK_ROUTE.encode() + b" HTTP/1.1\r\nHost: x\r\n"
-                          b"Content-Type: application/json\r\nContent-Length: 16\r\n\r\n"
-                          b'{"stream": true}')  # fmt: skip
-                while True:
-                    data = s.recv(65536)
-                    if not data:
-                        return
-                    self.reads.append((time.monotonic(), data))
-                    if b"data: [DONE]" in data or b"\r\n0\r\n\r\n" in data:
-                        return
-        except OSError as exc:
-            self.error = exc
+            log = stream_sse(self.url + PARK_ROUTE, {"stream": True}, 60, on_read=on_read)
+            self.error = log.error
+        except httpx.HTTPError as exc:
+            self.error = repr(exc)
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -238,27 +235,31 @@ def huge_line_script(megabytes: int = 16, piece: int = 64 * 1024, every: float =
 
 
 class _Child:
-    """``python -m tests.hostile.load ROLE ARGS...``; one JSON document on stdout at the end."""
+    """``python -m tests.hostile.load ROLE ARGS...``; one JSON document on stdout at the end.
+
+    Ready once it printed its first line (what it is, or where it listens); told to stop by
+    closing its stdin.
+    """
 
     def __init__(self, role: str, *args: str, nice: bool = False) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.hostile.load", role, *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
-        )  # fmt: skip
-        if nice:
-            os.setpriority(os.PRIO_PROCESS, self.proc.pid, 10)
-        assert self.proc.stdout is not None
-        self.first_line = self.proc.stdout.readline().strip()
+        self.process = ManagedProcess(
+            [sys.executable, "-m", "tests.hostile.load", role, *args], f"load {role}",
+            cwd=REPO, stdin=True, merge_stderr=False, nice=10 if nice else 0,
+            ready=lambda p: bool(p.lines), poll_every=0.01,
+        ).start(timeout=60)
+        self.first_line = self.process.lines[0].strip()
 
     def finish(self, timeout: float = 60.0) -> Any:
         """Close its stdin (the signal to stop, where it waits for one); its JSON answer."""
-        out, _ = self.proc.communicate(timeout=timeout)
+        assert self.process.proc is not None and self.process.proc.stdin is not None
+        self.process.proc.stdin.close()
+        self.process.wait(timeout)
+        self.process.close()
+        out = "".join(self.process.lines[1:])
         return json.loads(out) if out.strip() else None
 
     def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.communicate()
+        self.process.kill()
 
 
 class Instruments(_Child):
@@ -274,7 +275,7 @@ class Instruments(_Child):
         assert self.first_line == "streaming", self.first_line
 
     def streaming_done(self) -> bool:
-        return self.proc.poll() is not None
+        return not self.process.alive()
 
     def result(self, timeout: float = 60.0) -> tuple[ParkedStream, HealthProbe]:
         doc = self.finish(timeout)
@@ -356,7 +357,7 @@ def measure_park(kinds: Mapping[str, int], park: float, park_keepalive: float = 
             hostile = HostileProcess(proc.url, metrics, kinds)
         stream, probe = instruments.result(timeout=park + 60)
         done = hostile.stop() if hostile is not None else Counter()
-        assert proc.proc.poll() is None, "".join(proc.lines[-30:])
+        assert proc.alive(), "".join(proc.lines[-30:])
     finally:
         for child in (hostile, fake):
             if child is not None:
@@ -397,7 +398,7 @@ def _hostile_main(url: str, metrics: str, kinds_json: str) -> None:
 
 
 def _upstream_main(park: str) -> None:
-    from tests.proxy.fake_upstream import fake_upstream_in_thread
+    from tests.support.fake_upstream import fake_upstream_in_thread
 
     with fake_upstream_in_thread() as fake:
         fake.route(PARK_ROUTE, parked_script(float(park)))
@@ -414,10 +415,9 @@ def _instruments_main(url: str, metrics_base: str, every: str) -> None:
     print("streaming", flush=True)
     stream._thread.join(600)
     probe.stop()
-    error = None if stream.error is None else repr(stream.error)
     reads = [(t, d.hex()) for t, d in stream.reads]
     json.dump({"reads": reads, "latencies": probe.latencies, "failures": probe.failures,
-               "error": error}, sys.stdout)  # fmt: skip
+               "error": stream.error}, sys.stdout)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -20,10 +20,11 @@ import pytest
 from anyio.abc import SocketAttribute
 
 from sidecar.adapter import H11Stream
-from sidecar.server import Sidecar, ephemeral_config, start_subprocess
+from sidecar.server import Sidecar
 from tests.proxy.conftest import SidecarFactory
-from tests.proxy.fake_upstream import FakeUpstream, chunk, fake_upstream_in_thread, sse_head
 from tests.proxy.rawclient import RawConn
+from tests.support.fake_upstream import FakeUpstream, chunk, fake_upstream_in_thread, sse_head
+from tests.support.sidecar import ephemeral_config, start_subprocess
 
 GET_HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: m\r\n\r\n"
 GET_METRICS = b"GET /metrics HTTP/1.1\r\nHost: m\r\n\r\n"
@@ -199,7 +200,7 @@ def test_idle_metrics_connections_past_30_s_leave_the_process_serving() -> None:
             time.sleep(31)
             scraper.close()
             time.sleep(0.5)
-            assert proc.proc.poll() is None, "".join(proc.lines[-40:])
+            assert proc.alive(), "".join(proc.lines[-40:])
             assert httpx.get(base + "/healthz", timeout=3).text == "ok\n"
             assert httpx.get(proc.url + "/health", timeout=3).status_code in (200, 404)
             t.join(20)

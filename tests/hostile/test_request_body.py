@@ -20,8 +20,8 @@ import pytest
 from sidecar.server import Sidecar
 from tests.hostile.load import measure_park, require_a_machine_that_keeps_time
 from tests.proxy.conftest import SidecarFactory
-from tests.proxy.fake_upstream import FakeUpstream
 from tests.proxy.rawclient import RawConn
+from tests.support.fake_upstream import FakeUpstream
 
 
 @pytest.mark.anyio

@@ -16,8 +16,8 @@ import pytest
 
 from sidecar.upstream import MAX_INTERIM
 from tests.proxy.conftest import SidecarFactory
-from tests.proxy.fake_upstream import FakeUpstream, Script
 from tests.proxy.rawclient import RawConn
+from tests.support.fake_upstream import FakeUpstream, Script
 
 pytestmark = pytest.mark.anyio
 

@@ -10,8 +10,9 @@ import anyio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.server import Sidecar, ephemeral_config
-from tests.proxy.fake_upstream import FakeUpstream
+from sidecar.server import Sidecar
+from tests.support.fake_upstream import FakeUpstream
+from tests.support.sidecar import ephemeral_config
 
 
 @pytest.fixture

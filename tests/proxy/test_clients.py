@@ -3,11 +3,7 @@
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import subprocess
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -15,8 +11,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sidecar.server import Sidecar, ephemeral_config, run_in_thread
-from tests.proxy.fake_upstream import FakeUpstream, Script, fake_upstream_in_thread, sse_head
+from sidecar.server import Sidecar
+from tests.support.fake_upstream import FakeUpstream, Script, fake_upstream_in_thread, sse_head
+from tests.support.nginx import NGINX, Nginx
+from tests.support.procs import free_port
+from tests.support.sidecar import ephemeral_config, run_in_thread
 
 
 def openai_chunk(i: int, content: str | None, finish: str | None = None) -> bytes:
@@ -72,78 +71,34 @@ async def test_openai_sdk_streams_through_a_park(fake: FakeUpstream, sidecar: Si
 
 # ------------------------------------------------------------------------ nginx
 
-NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-
-NGINX_CONF = """
-daemon off;
-master_process off;
-worker_processes 1;
-error_log {tmp}/error.log warn;
-pid {tmp}/nginx.pid;
-events {{ worker_connections 1024; }}
-http {{
-    access_log off;
-    client_body_temp_path {tmp}/body;
-    proxy_temp_path {tmp}/proxy;
-    fastcgi_temp_path {tmp}/fastcgi;
-    uwsgi_temp_path {tmp}/uwsgi;
-    scgi_temp_path {tmp}/scgi;
-    server {{
-        listen 127.0.0.1:{port};
-        proxy_http_version 1.1;
-        proxy_set_header Connection "";
-        proxy_buffering off;
-        proxy_read_timeout 2s;
-        location /via-sidecar/ {{ proxy_pass http://{sidecar}/; }}
-        location /direct/ {{ proxy_pass http://{upstream}/; }}
-    }}
+# A server block of its own: the read timeout cut to 2 s, one route through the sidecar and
+# one straight to the upstream.
+SITE = """
+server {{
+    listen 127.0.0.1:{port};
+    proxy_http_version 1.1;
+    proxy_set_header Connection "";
+    proxy_buffering off;
+    proxy_read_timeout 2s;
+    location /via-sidecar/ {{ proxy_pass http://{sidecar}/; }}
+    location /direct/ {{ proxy_pass http://{upstream}/; }}
 }}
 """
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @contextmanager
-def nginx(sidecar: str, upstream: str, **extra: str) -> Iterator[str]:
+def nginx(sidecar: str, upstream: str) -> Iterator[str]:
     """A real nginx on a free port proxying /via-sidecar/ and /direct/; yields its URL."""
     if NGINX is None:
         pytest.skip("nginx binary not found (apt-get install nginx-light)")
     with tempfile.TemporaryDirectory() as tmp:
         port = free_port()
-        conf = Path(tmp) / "nginx.conf"
-        conf.write_text(NGINX_CONF.format(tmp=tmp, port=port, sidecar=sidecar, upstream=upstream))
-        proc = subprocess.Popen(
-            [NGINX, "-p", tmp, "-c", str(conf), "-e", f"{tmp}/error.log"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        site = SITE.format(port=port, sidecar=sidecar, upstream=upstream)
+        server = Nginx(Path(tmp), site, port).start()
         try:
-            deadline = time.monotonic() + 10
-            while True:
-                try:
-                    socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                    break
-                except OSError:
-                    if proc.poll() is not None or time.monotonic() > deadline:
-                        log = (
-                            (Path(tmp) / "error.log").read_text()
-                            if (Path(tmp) / "error.log").exists()
-                            else ""
-                        )
-                        pytest.fail(f"nginx did not start: {log}")
-                    time.sleep(0.05)
-            yield f"http://127.0.0.1:{port}"
+            yield server.url
         finally:
-            proc.terminate()
-            try:
-                proc.wait(5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            server.stop()
 
 
 def _stream(url: str) -> tuple[bytes, Exception | None]:

@@ -3,16 +3,29 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
 
 import anyio
 import httpx
 import pytest
 
-from sidecar.server import ephemeral_config, start_subprocess
-from tests.proxy.fake_upstream import FakeUpstream, chunk, fake_upstream_in_thread, sse_head
+from tests.support.fake_upstream import (
+    FakeUpstream,
+    Script,
+    chunk,
+    fake_upstream_in_thread,
+    sse_head,
+)
+from tests.support.procs import wait_until
+from tests.support.sidecar import SidecarProcess, ephemeral_config, start_subprocess
+from tests.support.sse_client import stream_sse
 
 
 def _refused(url: str) -> bool:
@@ -24,30 +37,37 @@ def _refused(url: str) -> bool:
         return True
 
 
-def _stream_in_thread(url: str, out: dict[str, object]) -> threading.Thread:
-    def run() -> None:
+@dataclass
+class Drain:
+    """A stream under way through a sidecar child that was just sent SIGTERM."""
+
+    proc: SidecarProcess
+    stream: threading.Thread
+    out: dict[str, Any]  # "first": when the first bytes came; "log": the StreamLog at the end
+    sent: float  # when SIGTERM was sent
+
+
+@contextmanager
+def sigterm_during_a_stream(script: Script, drain_timeout: float) -> Iterator[Drain]:
+    """Start a sidecar child, open a stream, SIGTERM the child once bytes flow."""
+    with fake_upstream_in_thread() as fake:
+        fake.route("/v1/chat/completions", script)
+        proc = start_subprocess(ephemeral_config(fake.url, drain_timeout=drain_timeout))
         try:
-            with httpx.Client(timeout=30) as c, c.stream("POST", url, json={"stream": True}) as r:
-                data = b""
-                for part in r.iter_raw():
-                    if not data:
-                        out["first"] = time.monotonic()
-                    data += part
-                out["body"] = data
-        except httpx.HTTPError as exc:
-            out["error"] = exc
-        out["done"] = time.monotonic()
+            out: dict[str, Any] = {}
 
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t
+            def run() -> None:
+                out["log"] = stream_sse(proc.url + "/v1/chat/completions", {"stream": True}, 30,
+                                        on_read=lambda *_: out.setdefault("first", True))
 
-
-def _wait_for(cond: object, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():  # type: ignore[operator]
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.01)
+            t = threading.Thread(target=run, daemon=True)
+            t.start()
+            wait_until(lambda: "first" in out, what="the first bytes")
+            sent = time.monotonic()
+            proc.process.send_signal(signal.SIGTERM)
+            yield Drain(proc, t, out, sent)
+        finally:
+            proc.terminate()
 
 
 def test_cli_reads_environment() -> None:
@@ -89,48 +109,27 @@ def test_cli_reads_environment() -> None:
 def test_sigterm_drains_running_streams() -> None:
     script = [sse_head(), *[x for i in range(20) for x in (("send", chunk(i)), ("sleep", 0.1))],
               ("send", b"data: [DONE]\n\n"), ("end",)]  # fmt: skip
-    with fake_upstream_in_thread() as fake:
-        fake.route("/v1/chat/completions", script)
-        proc = start_subprocess(ephemeral_config(fake.url, drain_timeout=10))
-        try:
-            out: dict[str, object] = {}
-            t = _stream_in_thread(proc.url + "/v1/chat/completions", out)
-            _wait_for(lambda: "first" in out)
-            sent = time.monotonic()
-            proc.proc.send_signal(15)
-            _wait_for(lambda: _refused(proc.url), timeout=2)  # new connections refused
-            t.join(10)
-            assert "error" not in out, out.get("error")
-            assert out["body"] == b"".join(chunk(i) for i in range(20)) + b"data: [DONE]\n\n"
-            assert proc.proc.wait(10) == 0
-            assert time.monotonic() - sent < 10
-        finally:
-            proc.terminate()
+    with sigterm_during_a_stream(script, drain_timeout=10) as d:
+        wait_until(lambda: _refused(d.proc.url), 2, "new connections refused", every=0.01)
+        d.stream.join(10)
+        log = d.out["log"]
+        assert log.error is None, log.error
+        assert log.raw == b"".join(chunk(i) for i in range(20)) + b"data: [DONE]\n\n"
+        assert d.proc.process.wait(10) == 0
+        assert time.monotonic() - d.sent < 10
 
 
 @pytest.mark.slow
 def test_sigterm_cuts_streams_after_drain_timeout() -> None:
-    script = [
-        sse_head(),
-        *[x for i in range(100) for x in (("send", chunk(i)), ("sleep", 0.1))],
-        ("end",),
-    ]
-    with fake_upstream_in_thread() as fake:
-        fake.route("/v1/chat/completions", script)
-        proc = start_subprocess(ephemeral_config(fake.url, drain_timeout=1.0))
-        try:
-            out: dict[str, object] = {}
-            t = _stream_in_thread(proc.url + "/v1/chat/completions", out)
-            _wait_for(lambda: "first" in out)
-            sent = time.monotonic()
-            proc.proc.send_signal(15)
-            assert proc.proc.wait(10) == 0
-            exited = time.monotonic() - sent
-            t.join(5)
-            assert 0.9 <= exited <= 5
-            assert isinstance(out.get("error"), httpx.RemoteProtocolError)  # cut, not ended cleanly
-        finally:
-            proc.terminate()
+    script = [sse_head(), *[x for i in range(100) for x in (("send", chunk(i)), ("sleep", 0.1))],
+              ("end",)]  # fmt: skip
+    with sigterm_during_a_stream(script, drain_timeout=1.0) as d:
+        assert d.proc.process.wait(10) == 0
+        exited = time.monotonic() - d.sent
+        d.stream.join(5)
+        assert 0.9 <= exited <= 5
+        error = d.out["log"].error or ""
+        assert error.startswith("RemoteProtocolError"), error  # cut, not ended cleanly
 
 
 def _fds(pid: int) -> int:
@@ -190,7 +189,7 @@ async def test_thousand_concurrent_streams(fake: FakeUpstream) -> None:
                ("send", chunk(1)), ("end",)])  # fmt: skip
     config = ephemeral_config(fake.url, upstream_max_idle=64)
     proc = await anyio.to_thread.run_sync(start_subprocess, config)
-    pid = proc.proc.pid
+    pid = proc.pid
     try:
         fds_start = _fds(pid)
         fd_bound = fds_start + 64 + 4  # pooled upstream connections, a few loop internals

@@ -8,7 +8,7 @@ import httpx
 import pytest
 
 from tests.proxy.conftest import SidecarFactory
-from tests.proxy.fake_upstream import FakeUpstream
+from tests.support.fake_upstream import FakeUpstream
 
 pytestmark = pytest.mark.anyio
 

@@ -8,7 +8,7 @@ import pytest
 
 from sidecar.readiness import PARKED
 from tests.proxy.conftest import SidecarFactory
-from tests.proxy.fake_upstream import FakeUpstream, chunk, park_script, sse_head
+from tests.support.fake_upstream import FakeUpstream, chunk, park_script, sse_head
 
 pytestmark = pytest.mark.anyio
 

@@ -2,34 +2,26 @@
 
 from __future__ import annotations
 
-import itertools
 import json
-import time
 
 import httpx
 import pytest
 
 from sidecar.server import Sidecar
 from tests.proxy.conftest import SidecarFactory
-from tests.proxy.fake_upstream import SSE_HEADERS, FakeUpstream, chunk, park_script, sse_head
 from tests.proxy.rawclient import RawConn
+from tests.support import sse_client
+from tests.support.fake_upstream import SSE_HEADERS, FakeUpstream, chunk, park_script, sse_head
+from tests.support.sse_client import astream_sse
 
 pytestmark = pytest.mark.anyio
 
 
-async def timed_stream(
-    url: str, **kw: object
-) -> tuple[int, dict[str, str], list[tuple[float, bytes]]]:
-    """POST a streaming request; return status, headers and (arrival time, bytes) reads."""
-    reads: list[tuple[float, bytes]] = []
-    async with (
-        httpx.AsyncClient(timeout=30) as c,
-        c.stream("POST", url, json={"stream": True}, **kw) as r,  # type: ignore[arg-type]
-    ):
-        reads.append((time.monotonic(), b""))
-        async for data in r.aiter_raw():
-            reads.append((time.monotonic(), data))
-        return r.status_code, dict(r.headers), reads
+async def timed_stream(url: str) -> tuple[int, dict[str, str], list[tuple[float, bytes]]]:
+    """POST a streaming request; status, headers and the reads (the head first, as b"")."""
+    log = await astream_sse(url, {"stream": True})
+    assert log.error is None, log.error
+    return log.status, log.headers, [(log.t_headers, b""), *log.reads]
 
 
 def body_of(reads: list[tuple[float, bytes]]) -> bytes:
@@ -37,8 +29,7 @@ def body_of(reads: list[tuple[float, bytes]]) -> bytes:
 
 
 def max_gap(reads: list[tuple[float, bytes]]) -> float:
-    times = [t for t, _ in reads]
-    return max(b - a for a, b in itertools.pairwise(times))
+    return sse_client.max_gap(t for t, _ in reads)
 
 
 def without_keepalives(body: bytes) -> bytes:

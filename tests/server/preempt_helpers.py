@@ -13,13 +13,15 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-from tests.support.llama import parse_metrics, split_lines
+from tests.support.llama import parse_metrics
+from tests.support.procs import wait_until
+from tests.support.sse_client import iter_lines
 
 CONTEXT_ERROR = "Context size has been exceeded."
 
@@ -163,7 +165,7 @@ def _complete(
                 except ValueError:
                     out.error = {"message": r.text}
                 return
-            for line in _sse_lines(r):
+            for line in iter_lines(r.iter_raw()):
                 if cancel_event is not None and cancel_event.is_set():
                     out.cancelled = True
                     return
@@ -186,18 +188,6 @@ def _complete(
                 if cancel_after_events is not None and out.n_events >= cancel_after_events:
                     out.cancelled = True
                     return
-
-
-def _sse_lines(r: httpx.Response) -> Iterator[str]:
-    """Lines of an SSE body split on bytes (CR, LF, CRLF only): generated text can hold U+0085 or
-    U+2028, which str.splitlines() (and so httpx's iter_lines) would take for line breaks."""
-    buf = b""
-    for chunk in r.iter_raw():
-        lines, buf = split_lines(buf + chunk)
-        for line in lines:
-            yield line.decode("utf-8", "replace")
-    if buf:
-        yield buf.decode("utf-8", "replace")
 
 
 def run_concurrently(calls: Iterable[Callable[[], Any]], stagger: float = 0.0) -> list[Any]:
@@ -245,15 +235,8 @@ def wait_for(
     interval: float = 0.02,
     what: str = "condition",
 ) -> Any:
-    """Poll `predicate` until it returns something truthy; fail the test on timeout."""
-    deadline = time.monotonic() + timeout
-    last: Any = None
-    while time.monotonic() < deadline:
-        last = predicate()
-        if last:
-            return last
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what} (last value: {last!r})")
+    """Poll `predicate` until it returns something truthy (returned); fail on timeout."""
+    return wait_until(predicate, timeout, what, every=interval)
 
 
 def wait_settled(url: str, timeout: float = 30.0) -> dict[str, float]:
@@ -378,7 +361,7 @@ def complete_many(
                 for out in outs:
                     out.error = r.json().get("error", {"message": r.text})
                 return outs
-            for line in _sse_lines(r):
+            for line in iter_lines(r.iter_raw()):
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 event = json.loads(line[len("data: ") :])

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import StartServer
-from tests.support.llama import LlamaServer, StreamLog
+from tests.support.llama import LlamaServer
+from tests.support.sse_client import StreamLog
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
 

@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 
 from sidecar.paths import cache_dir
-from sidecar.tinymodel import _vocab, add_vocab
 from tests.conftest import StartServer
 from tests.server.preempt_helpers import BASE, PARK, complete, token_prompt
 from tests.server.test_preempt_kv import assert_same, assert_settled, solo_then_together
+from tests.support.tinymodel import _vocab, add_vocab
 
 pytestmark = [pytest.mark.server]
 

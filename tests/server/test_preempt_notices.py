@@ -31,7 +31,7 @@ from tests.server.preempt_helpers import (
     wait_for,
     wait_settled,
 )
-from tests.support.llama import StreamLog, stream_sse
+from tests.support.sse_client import StreamLog, stream_sse
 
 pytestmark = [pytest.mark.server]
 

@@ -6,7 +6,7 @@ that preemption is off, serve every request without parks or notices, and still 
 (zero) `preempt` record in every final response.
 
 The model is a random-weight Mamba written here with the `gguf` package (the shared generator in
-sidecar/tinymodel.py writes llama models only). Hybrid caches (attention plus recurrent state)
+tests/support/tinymodel.py writes llama models only). Hybrid caches (attention plus recurrent state)
 are covered by test_preempt_hybrid.py.
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 from sidecar.paths import cache_dir
-from sidecar.tinymodel import _vocab, add_vocab
 from tests.conftest import StartServer
 from tests.server.preempt_helpers import BASE, PARK, metrics, token_prompt, wait_settled
 from tests.server.test_preempt_defects import assert_complete, body, streamed
+from tests.support.tinymodel import _vocab, add_vocab
 
 pytestmark = [pytest.mark.server]
 

@@ -18,7 +18,7 @@ from sidecar.cli.model import (
     resolve_model,
 )
 from sidecar.gguf_meta import GGUFError, chat_template, read_metadata
-from sidecar.tinymodel import ensure_model
+from tests.support.tinymodel import ensure_model
 
 TEMPLATE = "{% for m in messages %}<|user|>{{ m.content }}{% endfor %}<|assistant|>"
 

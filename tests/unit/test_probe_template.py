@@ -4,71 +4,61 @@
 from __future__ import annotations
 
 import json
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from typer.testing import CliRunner
 
 from sidecar.cli import app
 from sidecar.probe import FALLBACK_CHATML, has_chat_template
+from tests.support.fake_upstream import (
+    FakeUpstream,
+    RequestRecord,
+    Script,
+    fake_upstream_in_thread,
+    json_response,
+)
 
+SSE = b"text/event-stream"
 OWN_TEMPLATE = "{% for m in messages %}<|user|>{{ m.content }}{% endfor %}<|assistant|>"
 
 
-class FakeServer(ThreadingHTTPServer):
-    template: str | None = None  # None: no /props (404)
-    paths: list[str]
+def sse_body(events: list[dict[str, object]], done: bool) -> bytes:
+    body = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
+    return (body + ("data: [DONE]\n\n" if done else "")).encode()
 
 
-class Handler(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-    server: FakeServer
+class FakeServer:
+    """/props with ``template`` (None: 404), a /completion and a ChatML-leaking chat stream."""
 
-    def log_message(self, format: str, *args: object) -> None:
-        pass
+    def __init__(self, fake: FakeUpstream) -> None:
+        self.fake = fake
+        self.template: str | None = None
+        completion = [{"content": "Hi", "stop": False}, {"content": "!", "stop": True}]
+        chat = [{"choices": [{"index": 0, "delta": {"content": "<|im_start|>"}}]}]
+        fake.route("/props", self._props)
+        fake.route("/completion", json_response(200, sse_body(completion, False), SSE))
+        fake.route("/v1/chat/completions", json_response(200, sse_body(chat, True), SSE))
 
-    def _send(self, status: int, body: bytes, ctype: str) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", ctype)
-        self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        self.wfile.write(body)
+    def _props(self, _: RequestRecord) -> Script:
+        if self.template is None:
+            return json_response(404, {"error": "not found"})
+        return json_response(200, {"chat_template": self.template})
 
-    def do_GET(self) -> None:
-        if self.path == "/props" and self.server.template is not None:
-            self._send(200, json.dumps({"chat_template": self.server.template}).encode(),
-                       "application/json")  # fmt: skip
-        else:
-            self._send(404, b'{"error": "not found"}', "application/json")
-
-    def do_POST(self) -> None:
-        self.rfile.read(int(self.headers["Content-Length"]))
-        self.server.paths.append(self.path)
-        if self.path == "/completion":
-            events = [{"content": "Hi", "stop": False}, {"content": "!", "stop": True}]
-        else:
-            events = [{"choices": [{"index": 0, "delta": {"content": "<|im_start|>"}}]}]
-        body = "".join(f"data: {json.dumps(e)}\n\n" for e in events)
-        if self.path != "/completion":
-            body += "data: [DONE]\n\n"
-        self._send(200, body.encode(), "text/event-stream")
+    @property
+    def paths(self) -> list[str]:
+        """The paths POSTed to, in order."""
+        return [r.target.decode() for r in self.fake.requests if r.method == b"POST"]
 
 
 @pytest.fixture
 def fake() -> Iterator[FakeServer]:
-    srv = FakeServer(("127.0.0.1", 0), Handler)
-    srv.paths = []
-    t = threading.Thread(target=srv.serve_forever, daemon=True)
-    t.start()
-    yield srv
-    srv.shutdown()
-    srv.server_close()
+    with fake_upstream_in_thread() as upstream:
+        yield FakeServer(upstream)
 
 
 def url_of(srv: FakeServer) -> str:
-    return f"http://127.0.0.1:{srv.server_address[1]}"
+    return srv.fake.url
 
 
 def probe(*args: str) -> tuple[int, str, str]:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -14,7 +13,7 @@ from typing import Any
 
 import httpx
 
-from tests.support.llama import free_port
+from tests.support.procs import ManagedProcess, Service, file_tail, free_port, http_ok
 
 REPO = Path(__file__).resolve().parents[2]
 GRAFANA = REPO / "grafana"
@@ -61,15 +60,11 @@ def metric_names(expr: str) -> set[str]:
 
 
 @dataclass
-class Prometheus:
+class Prometheus(Service):
     tmp: Path
     config: str
     port: int = 0
-    proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    process: ManagedProcess | None = None
 
     def start(self, timeout: float = 60.0) -> Prometheus:
         assert PROMETHEUS is not None
@@ -77,26 +72,17 @@ class Prometheus:
         self.tmp.mkdir(parents=True, exist_ok=True)
         cfg = self.tmp / "prometheus.yml"
         cfg.write_text(self.config)
-        self._log = open(self.tmp / "prometheus.log", "wb")  # noqa: SIM115 - closed in stop()
-        self.proc = subprocess.Popen(
+        self.process = ManagedProcess(
             [PROMETHEUS, f"--config.file={cfg}", f"--storage.tsdb.path={self.tmp / 'data'}",
              f"--web.listen-address=127.0.0.1:{self.port}", "--web.enable-lifecycle"],
-            stdout=self._log, stderr=subprocess.STDOUT,
+            "prometheus", log_path=self.tmp / "prometheus.log",
+            ready=http_ok(self.url + "/-/ready"), stop_timeout=20.0, poll_every=0.2,
         )  # fmt: skip
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.log()
-            try:
-                if httpx.get(self.url + "/-/ready", timeout=2.0).status_code == 200:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError("prometheus not ready:\n" + self.log())
+        self.process.start(timeout)
+        return self
 
     def log(self) -> str:
-        p = self.tmp / "prometheus.log"
-        return p.read_text(errors="replace")[-4000:] if p.exists() else ""
+        return file_tail(self.tmp / "prometheus.log")
 
     def query(self, expr: str) -> dict[str, Any]:
         """The raw API answer (status, data or errorType/error) of an instant query."""
@@ -119,17 +105,6 @@ class Prometheus:
         """Both jobs scraped successfully (target discovery alone takes up to 5 s)."""
         self.wait_for('up{job="llama-server"} == 1', timeout)
         self.wait_for('up{job="llama-sidecar"} == 1', timeout)
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-        if self.proc is not None:
-            self._log.close()
 
 
 def assert_every_scrape_succeeded(prom: Prometheus, window: str = "30s", at_least: int = 5) -> None:

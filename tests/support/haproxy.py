@@ -6,15 +6,13 @@ import csv
 import io
 import re
 import shutil
-import subprocess
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO
 
 import httpx
 
-from tests.support.llama import free_port
+from tests.support.procs import ManagedProcess, Service, free_port, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = REPO / "docs" / "deploy" / "haproxy.cfg"
@@ -43,36 +41,29 @@ def pairs_config(pairs: list[tuple[int, int]], port: int, stats_port: int, inter
 
 
 @dataclass
-class HAProxy:
+class HAProxy(Service):
     tmp: Path
     pairs: list[tuple[int, int]]
     inter: str = "200ms"
     port: int = field(default_factory=free_port)
     stats_port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[bytes] | None = None
-    _log: IO[bytes] | None = None
+    process: ManagedProcess | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> HAProxy:
+    def start(self, timeout: float = 10.0) -> HAProxy:
         assert HAPROXY is not None
         cfg = self.tmp / "haproxy.cfg"
         cfg.write_text(pairs_config(self.pairs, self.port, self.stats_port, self.inter))
-        self._log = log = (self.tmp / "haproxy.log").open("wb")
-        # -db: stay in the foreground, one process, so terminate() stops it
-        self.proc = subprocess.Popen([HAPROXY, "-db", "-f", str(cfg)], stdout=log, stderr=log)
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            try:
-                self.status()
-                return self
-            except httpx.HTTPError:
-                if self.proc.poll() is not None:
-                    break
-                time.sleep(0.05)
-        raise RuntimeError(f"haproxy did not start:\n{(self.tmp / 'haproxy.log').read_text()}")
+        # -db: stay in the foreground, one process, so SIGTERM stops it
+        self.process = ManagedProcess(
+            [HAPROXY, "-db", "-f", str(cfg)], "haproxy", log_path=self.tmp / "haproxy.log",
+            ready=self._stats_answer,
+        )  # fmt: skip
+        self.process.start(timeout)
+        return self
+
+    def _stats_answer(self, _: ManagedProcess) -> bool:
+        self.status()  # raises until the stats listener answers
+        return True
 
     def status(self) -> dict[str, str]:
         """{server name: UP / DOWN / ...} from the stats page's CSV."""
@@ -83,20 +74,6 @@ class HAProxy:
 
     def wait_status(self, server: str, want: str, timeout: float = 20.0) -> float:
         """Wait until HAProxy reports `server` as `want`; the monotonic time it did."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.status().get(server, "").startswith(want):
-                return time.monotonic()
-            time.sleep(0.05)
-        raise AssertionError(f"haproxy never marked {server} {want}: {self.status()}")
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self._log is not None:
-            self._log.close()
+        wait_until(lambda: self.status().get(server, "").startswith(want), timeout,
+                   f"haproxy to mark {server} {want}")  # fmt: skip
+        return time.monotonic()

@@ -1,4 +1,4 @@
-"""Deterministic random-weight llama models for tests and demos.
+"""Deterministic random-weight llama models for tests and benchmarks.
 
 Theory of operation: a llama-architecture GGUF is nothing but hyperparameters, a tokenizer
 and tensors. The tests need a model that loads in llama-server, is tiny on disk, runs at
@@ -10,15 +10,21 @@ needed. The output projection is drawn with a large spread so that the top logit
 apart: greedy decoding is then stable across batch shapes, which is what makes "identical
 to the solo run" a fair test.
 
-`gguf` and `numpy` are imported lazily: they are test dependencies (`llama-sidecar[test]`).
+`gguf` and `numpy` are test dependencies (`pip install -e '.[test]'`). From a checkout,
+``python -m tests.support.tinymodel [tiny|slow]`` writes a model into the cache (if it is not
+there yet) and prints its path, e.g. ``llama-sidecar up -m "$(python -m
+tests.support.tinymodel)"``.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from sidecar.paths import models_dir
 
 if TYPE_CHECKING:
     import numpy.typing as npt
@@ -141,3 +147,19 @@ def ensure_model(cache_dir: str | os.PathLike[str], size: str = "tiny") -> Path:
     if not path.exists():
         write_model(path, spec)
     return path
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(
+        prog="python -m tests.support.tinymodel",
+        description="Write a generated test model (if missing) and print its path.",
+    )
+    ap.add_argument("size", nargs="?", default="tiny", choices=sorted(SPECS))
+    ap.add_argument("--dir", type=Path, default=None, help="cache directory (default: the "
+                    "llama-sidecar model cache)")  # fmt: skip
+    a = ap.parse_args(argv)
+    print(ensure_model(a.dir or models_dir(), a.size))
+
+
+if __name__ == "__main__":
+    main()

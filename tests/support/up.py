@@ -1,6 +1,7 @@
 """Drive `llama-sidecar up` as a real child process, the way an operator would.
 
-`UpProcess` starts the CLI on free ports, waits for its "is up" banner, finds the
+`UpProcess` starts the CLI on free ports (a :class:`~tests.support.procs.ManagedProcess`
+with its output piped), waits for its "is up" banner, finds the
 processes it started (through /proc), and always stops it; `descendants()` is how the
 tests prove that nothing is left behind.
 """
@@ -12,15 +13,20 @@ import os
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 
-from tests.support.llama import free_port
+from tests.support.procs import (
+    ManagedProcess,
+    ProcessFailed,
+    Service,
+    free_port,
+    line_seen,
+    wait_until,
+)
 
 READY = "llama-sidecar is up"
 
@@ -71,19 +77,14 @@ def cmdline(pid: int) -> str:
 
 
 @dataclass
-class UpProcess:
+class UpProcess(Service):
     args: Sequence[str]
     log_dir: Path
     env: dict[str, str] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     server_port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
-    proc: subprocess.Popen[str] | None = None
-    output: list[str] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+    process: ManagedProcess | None = None
 
     @property
     def server_url(self) -> str:
@@ -104,31 +105,21 @@ class UpProcess:
             "--metrics-port", str(self.metrics_port), "--server-log", str(self.server_log),
             *self.args,
         ]  # fmt: skip
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
-        self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-            start_new_session=True,
+        # A session of its own: a test can signal `up` alone, as a terminal would not.
+        self.process = ManagedProcess(
+            cmd, "up", {"PYTHONUNBUFFERED": "1", **self.env}, ready=line_seen(READY),
+            new_session=True, poll_every=0.2,
         )  # fmt: skip
-        ready = threading.Event()
-
-        def pump() -> None:
-            assert self.proc is not None and self.proc.stdout is not None
-            for line in self.proc.stdout:
-                self.output.append(line)
-                if READY in line:
-                    ready.set()
-
-        self._pump = threading.Thread(target=pump, daemon=True)
-        self._pump.start()
-        deadline = time.monotonic() + timeout
-        while not ready.wait(0.2):
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"`up` did not come up:\n{self.text()}\n{self.server_tail()}")
+        try:
+            self.process.start(timeout)
+        except ProcessFailed:
+            self.kill()
+            text = f"`up` did not come up:\n{self.text()}\n{self.server_tail()}"
+            raise RuntimeError(text) from None
         return self
 
     def text(self) -> str:
-        return "".join(self.output)
+        return "" if self.process is None else self.process.output()
 
     def server_tail(self, n: int = 30) -> str:
         if not self.server_log.exists():
@@ -136,8 +127,8 @@ class UpProcess:
         return "\n".join(self.server_log.read_text(errors="replace").splitlines()[-n:])
 
     def children(self) -> list[int]:
-        assert self.proc is not None
-        return descendants(self.proc.pid)
+        assert self.process is not None
+        return descendants(self.process.pid)
 
     def server_pid(self) -> int:
         for pid in self.children():
@@ -146,40 +137,35 @@ class UpProcess:
         raise LookupError(f"no llama-server among the children of `up`:\n{self.text()}")
 
     def wait_healthy(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def healthy() -> bool:
             try:
-                if httpx.get(self.url + "/health", timeout=2.0).status_code == 200:
-                    return
+                return httpx.get(self.url + "/health", timeout=2.0).status_code == 200
             except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        raise TimeoutError(f"not healthy through the sidecar after {timeout}s:\n{self.text()}")
+                return False
+
+        try:
+            wait_until(healthy, timeout, "health through the sidecar", every=0.2)
+        except AssertionError:
+            raise TimeoutError(f"not healthy through the sidecar after {timeout}s:\n"
+                               f"{self.text()}") from None  # fmt: skip
 
     def terminate(self, timeout: float = 60.0) -> int:
         """SIGTERM `up` itself (not its children) and wait for it to exit."""
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGTERM)
-        rc = self.proc.wait(timeout)
-        self._close()
+        assert self.process is not None
+        self.process.send_signal(signal.SIGTERM)
+        rc = self.process.wait(timeout)
+        self.process.close()
         return rc
-
-    def _close(self) -> None:
-        """Read the rest of the output, then close the pipe (no ResourceWarning)."""
-        assert self.proc is not None
-        self._pump.join(10)
-        if self.proc.stdout is not None and not self._pump.is_alive():
-            self.proc.stdout.close()
 
     def kill(self) -> None:
         """Teardown of last resort: kill `up` and everything below it."""
-        if self.proc is None:
+        if self.process is None or self.process.proc is None:
             return
-        pids = self.children() if self.proc.poll() is None else []
-        for pid in [self.proc.pid, *pids]:
+        pids = self.children() if self.process.alive() else []
+        for pid in [self.process.pid, *pids]:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(10)
+            self.process.wait(10)
         # Grandchildren that outlived `up` would keep the pipe open; they were killed above.
-        self._close()
+        self.process.close()

@@ -1,8 +1,10 @@
-"""A scripted fake llama-server on real loopback sockets.
+"""The suite's one fake llama-server: scripted, on real loopback sockets.
 
 Each request is answered by a *script* chosen by its path (``fake.route(path,
-script)``) or, failing that, by the ``X-Fake-Script`` request header (a JSON
-list, for ad-hoc use from other processes).  A script is a list of steps:
+script)``; a route may also be a function of the request that returns the script),
+failing that by the ``X-Fake-Script`` request header (a JSON list, for ad-hoc use
+from other processes), failing that by ``fake.fallback`` (a function of the request)
+or an echo.  A script is a list of steps:
 
 ``("head", status, headers)``  send the response head (h11 picks the framing)
 ``("send", bytes)``            send a body chunk (SSE text, notices, ...)
@@ -16,6 +18,8 @@ list, for ad-hoc use from other processes).  A script is a list of steps:
 ``("keep",)``                  after raw steps: serve the next request on this connection
                                anyway (the lie is complete; a proxy that pooled the
                                connection gets whatever the raw bytes left behind)
+``("call", fn)``               call ``fn()`` at this point (a counter that must change
+                               exactly when a notice is sent)
 
 Helpers build llama-server-like streams: :func:`sse_head`, :func:`chunk`,
 :func:`park_script`.  Every connection is recorded (:class:`ConnRecord`):
@@ -27,15 +31,30 @@ sidecar drops an upstream connection.
 The server runs inside the caller's event loop (``async with FakeUpstream()``)
 or in its own thread (:func:`fake_upstream_in_thread`) for benchmarks and for
 tests that drive the sidecar from another process.
+
+As a program, ``python -m tests.support.fake_upstream`` stands in for the llama-server
+*binary* (:class:`LlamaServerFake`): it takes llama-server's command line (``-m FILE
+--host H --port P ...``; the rest is ignored), answers ``/health``, ``/metrics`` (a few
+``llamacpp:`` families) and streams chat completions as llama-server does, with one
+``: preempted`` / ``: preempt-keepalive`` / ``: resumed`` park in the middle of each stream
+when ``FAKE_PARK_S`` is set (keepalives every ``FAKE_PARK_KEEPALIVE_S``, default 0.5;
+``0`` = a silent park). ``--help`` lists ``--preempt-ram`` unless ``FAKE_NO_PREEMPT=1``,
+so ``up``'s feature probe can be exercised both ways; ``--fake-fail`` makes it exit at
+once like a bad argument would. :func:`fake_server_bin` writes an executable that runs it,
+for ``up --server-bin``.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -45,6 +64,7 @@ from anyio.from_thread import start_blocking_portal
 
 Step = tuple[Any, ...]
 Script = list[Step]
+Handler = Callable[["RequestRecord"], Script]
 
 SSE_HEADERS = [(b"Content-Type", b"text/event-stream"), (b"Cache-Control", b"no-cache")]
 
@@ -60,6 +80,13 @@ def chunk(i: int, text: str = "tok") -> bytes:
         "object": "chat.completion.chunk",
     }
     return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def json_response(status: int, doc: Any, ctype: bytes = b"application/json") -> Script:
+    """A whole JSON (or other) response with a Content-Length."""
+    body = doc if isinstance(doc, bytes) else json.dumps(doc).encode()
+    headers = [(b"Content-Type", ctype), (b"Content-Length", str(len(body)).encode())]
+    return [("head", status, headers), ("send", body), ("end",)]
 
 
 def park_script(
@@ -99,12 +126,28 @@ class ConnRecord:
     closed_at: float | None = None  # peer closed (EOF seen while serving or idle)
     closed: anyio.Event = field(default_factory=anyio.Event)
 
+    def peer_closed(self) -> None:
+        """Note the first moment the peer was seen gone."""
+        if self.closed_at is None:
+            self.closed_at = time.monotonic()
+            self.closed.set()
+
+
+async def _receive(stream: anyio.abc.SocketStream) -> bytes:
+    """The next bytes from the peer; b"" once it closed or the connection broke."""
+    try:
+        return await stream.receive()
+    except (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError,
+            ConnectionError):  # fmt: skip
+        return b""
+
 
 class FakeUpstream:
     def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
         self.host = host
         self.port = port
-        self.routes: dict[bytes, Script] = {}
+        self.routes: dict[bytes, Script | Handler] = {}
+        self.fallback: Handler | None = None
         self.conns: list[ConnRecord] = []
         self.request_seen = anyio.Event()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -113,7 +156,7 @@ class FakeUpstream:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def route(self, path: str, script: Script) -> str:
+    def route(self, path: str, script: Script | Handler) -> str:
         self.routes[path.encode()] = script
         return path
 
@@ -153,10 +196,7 @@ class FakeUpstream:
                 rec.requests.append(req)
                 self.request_seen.set()
                 self.request_seen = anyio.Event()
-                script = self.routes.get(req.target.split(b"?")[0])
-                if script is None:
-                    raw = dict(req.headers).get(b"x-fake-script")
-                    script = _decode_script(raw) if raw else [("echo",)]
+                script = self._script_for(req)
                 alive = await self._run(script, req, stream, conn, rec)
                 if alive and script and script[-1][0] == "keep":
                     leftover = bytes(conn.trailing_data[0])
@@ -176,12 +216,19 @@ class FakeUpstream:
             ConnectionError,
             h11.ProtocolError,
         ):
-            if rec.closed_at is None:
-                rec.closed_at = time.monotonic()
-                rec.closed.set()
+            rec.peer_closed()
         finally:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
+
+    def _script_for(self, req: RequestRecord) -> Script:
+        route = self.routes.get(req.target.split(b"?")[0])
+        if route is not None:
+            return route(req) if callable(route) else route
+        raw = dict(req.headers).get(b"x-fake-script")
+        if raw:
+            return _decode_script(raw)
+        return self.fallback(req) if self.fallback is not None else [("echo",)]
 
     async def _run(
         self,
@@ -196,18 +243,9 @@ class FakeUpstream:
 
             async def watch() -> None:
                 while True:
-                    try:
-                        data = await stream.receive()
-                    except (
-                        anyio.EndOfStream,
-                        anyio.BrokenResourceError,
-                        anyio.ClosedResourceError,
-                        ConnectionError,
-                    ):
-                        data = b""
+                    data = await _receive(stream)
                     if not data:
-                        rec.closed_at = time.monotonic()
-                        rec.closed.set()
+                        rec.peer_closed()
                         tg.cancel_scope.cancel()
                         return
                     conn.receive_data(data)  # pipelined bytes for the next cycle
@@ -217,9 +255,7 @@ class FakeUpstream:
             try:
                 died = await self._steps(script, req, stream, conn)
             except (anyio.BrokenResourceError, anyio.ClosedResourceError, ConnectionError):
-                if rec.closed_at is None:
-                    rec.closed_at = time.monotonic()
-                    rec.closed.set()
+                rec.peer_closed()
             tg.cancel_scope.cancel()
         return rec.closed_at is None and not died
 
@@ -250,6 +286,8 @@ class FakeUpstream:
                 await anyio.sleep_forever()
             elif op == "keep":
                 pass  # see _handle
+            elif op == "call":
+                step[1]()
             elif op == "echo":
                 ctype = dict(req.headers).get(b"content-type", b"application/octet-stream")
                 headers = [
@@ -277,18 +315,9 @@ class _Reader:
         while True:
             ev = self.conn.next_event()
             if ev is h11.NEED_DATA:
-                try:
-                    data = await self.stream.receive()
-                except (
-                    anyio.EndOfStream,
-                    anyio.BrokenResourceError,
-                    anyio.ClosedResourceError,
-                    ConnectionError,
-                ):
-                    data = b""
-                if not data and self.rec.closed_at is None:
-                    self.rec.closed_at = time.monotonic()
-                    self.rec.closed.set()
+                data = await _receive(self.stream)
+                if not data:
+                    self.rec.peer_closed()
                 self.conn.receive_data(data)
                 continue
             assert isinstance(ev, h11.Event)
@@ -366,3 +395,136 @@ def fake_upstream_in_thread() -> Iterator[FakeUpstream]:
 async def fake_upstream() -> AsyncIterator[FakeUpstream]:
     async with FakeUpstream() as fake:
         yield fake
+
+
+# ------------------------------------------------------------------ llama-server stand-in
+
+
+TOKEN_EVENT = b'data: {"choices": [{"index": 0, "delta": {"content": "tok "}}]}\n\n'
+
+
+@dataclass
+class LlamaServerFake:
+    """llama-server's endpoints, as far as `up`, the sidecar and the dashboards use them.
+
+    ``park_s`` > 0: each stream parks once, half-way, for that long, with a
+    ``: preempt-keepalive`` every ``park_keepalive_s`` (0: a silent park).
+    """
+
+    park_s: float = 0.0
+    park_keepalive_s: float = 0.5
+    token_interval: float = 0.005
+    parks: int = 0
+    resumes: int = 0
+    parked: int = 0
+    tokens: int = 0
+
+    def install(self, fake: FakeUpstream) -> FakeUpstream:
+        fake.fallback = self.answer
+        return fake
+
+    def answer(self, req: RequestRecord) -> Script:
+        if req.method == b"GET" and req.target == b"/health":
+            return json_response(200, {"status": "ok"})
+        if req.method == b"GET" and req.target == b"/metrics":
+            return json_response(200, self.metrics_text().encode(), b"text/plain; version=0.0.4")
+        if req.method != b"POST":
+            return json_response(404, {"error": {"code": 404, "message": "File Not Found"}})
+        body = json.loads(req.body or b"{}")
+        n = int(body.get("max_tokens") or body.get("n_predict") or 8)
+        if not body.get("stream"):
+            msg = {"choices": [{"message": {"role": "assistant", "content": "x" * n}}]}
+            return json_response(200, msg)
+        return self.stream_script(n)
+
+    def metrics_text(self) -> str:
+        families = [
+            ("n_preempt_total", "counter", self.parks),
+            ("n_resume_total", "counter", self.resumes),
+            ("requests_preempted", "gauge", self.parked),
+            ("preempt_recompute_total", "counter", 0),
+            ("preempt_dropped_total", "counter", 0),
+            ("preempt_ram_bytes", "gauge", self.parked * 1048576),
+            ("n_decode_total", "counter", self.tokens),
+            ("tokens_predicted_total", "counter", self.tokens),
+        ]
+        return "".join(f"# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {value}\n"
+                       for name, kind, value in families)  # fmt: skip
+
+    def stream_script(self, n: int) -> Script:
+        s: Script = [("head", 200, [(b"Content-Type", b"text/event-stream")])]
+        for i in range(n):
+            if self.park_s and i == n // 2:
+                s += self._park()
+            s += [("call", self._count_token), ("send", TOKEN_EVENT),
+                   ("sleep", self.token_interval)]  # fmt: skip
+        return [*s, ("send", b"data: [DONE]\n\n"), ("end",)]
+
+    def _park(self) -> Script:
+        s: Script = [("call", self._park_starts), ("send", b": preempted\n\n")]
+        if not self.park_keepalive_s:
+            s.append(("sleep", self.park_s))
+        else:
+            left = self.park_s
+            while left > 0:
+                s += [("sleep", min(self.park_keepalive_s, left)),
+                      ("send", b": preempt-keepalive\n\n")]  # fmt: skip
+                left -= self.park_keepalive_s
+        return [*s, ("call", self._park_ends), ("send", b": resumed\n\n")]
+
+    def _count_token(self) -> None:
+        self.tokens += 1
+
+    def _park_starts(self) -> None:
+        self.parks += 1
+        self.parked += 1
+
+    def _park_ends(self) -> None:
+        self.parked -= 1
+        self.resumes += 1
+
+
+def main(argv: list[str]) -> int:
+    """Be llama-server for `up`: its --help, its argument errors, its endpoints."""
+    if "--help" in argv:
+        print("usage: fake llama-server\n  -m, --model FNAME\n  --port PORT")
+        if os.environ.get("FAKE_NO_PREEMPT") != "1":
+            print("  --preempt-ram N    MiB of host RAM for parked states")
+        return 0
+    if "--fake-fail" in argv:  # an argument llama-server would reject
+        print("error: invalid argument: --fake-fail", flush=True)
+        return 1
+    host, port = "127.0.0.1", 8080
+    for i, a in enumerate(argv):
+        if a == "--host":
+            host = argv[i + 1]
+        elif a == "--port":
+            port = int(argv[i + 1])
+    llama = LlamaServerFake(float(os.environ.get("FAKE_PARK_S") or 0),
+                            float(os.environ.get("FAKE_PARK_KEEPALIVE_S", "0.5")))  # fmt: skip
+    print("fake llama-server argv: " + json.dumps(argv), flush=True)
+
+    async def serve() -> None:
+        async with FakeUpstream(host, port) as fake:
+            llama.install(fake)
+            await anyio.sleep_forever()
+
+    anyio.run(serve)
+    return 0
+
+
+def fake_server_bin(directory: Path) -> Path:
+    """An executable ``llama-server`` in ``directory`` that runs this module's :func:`main`."""
+    repo = Path(__file__).resolve().parents[2]
+    path = directory / "llama-server"
+    path.write_text(
+        "#!/bin/sh\n"
+        f'export PYTHONPATH={shlex.quote(str(repo))}"${{PYTHONPATH:+:$PYTHONPATH}}"\n'
+        f'exec {shlex.quote(sys.executable)} -m tests.support.fake_upstream "$@"\n'
+    )
+    path.chmod(0o755)
+    return path
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,4 @@
-"""Run a real nginx with docs/nginx.conf (ports and timeout substituted) for a test."""
+"""Run a real nginx for a test: docs/nginx.conf (ports and timeout substituted) or any config."""
 
 from __future__ import annotations
 
@@ -6,13 +6,10 @@ import re
 import shutil
 import signal
 import subprocess
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import httpx
-
-from tests.support.llama import free_port
+from tests.support.procs import ManagedProcess, Service, file_tail, free_port, http_answers
 
 REPO = Path(__file__).resolve().parents[2]
 SITE = REPO / "docs" / "nginx.conf"
@@ -34,59 +31,46 @@ def site_config(upstream_port: int, listen_port: int, read_timeout: str | None =
 
 
 @dataclass
-class Nginx:
+class Nginx(Service):
+    """nginx in the foreground with ``site`` included in its ``http`` block.
+
+    ``conf``, when given, is the whole nginx.conf instead (``{tmp}`` is the prefix); the
+    temp paths below ``tmp`` are made either way.
+    """
+
     tmp: Path
     site: str
     port: int = 0
-    proc: subprocess.Popen[bytes] | None = None
+    conf: str | None = None
+    process: ManagedProcess | None = None
 
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self) -> Nginx:
+    def start(self, timeout: float = 20.0) -> Nginx:
         assert NGINX is not None
-        for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
-            (self.tmp / sub).mkdir(parents=True, exist_ok=True)
-        (self.tmp / "site.conf").write_text(self.site)
         t = self.tmp
-        (t / "nginx.conf").write_text(
+        for sub in ("body", "proxy", "fastcgi", "uwsgi", "scgi"):
+            (t / sub).mkdir(parents=True, exist_ok=True)
+        (t / "site.conf").write_text(self.site)
+        (t / "nginx.conf").write_text(self.conf or (
             f"daemon off;\nworker_processes 1;\npid {t}/nginx.pid;\n"
             f"error_log {t}/error.log info;\nevents {{ worker_connections 256; }}\n"
             f"http {{\n  access_log {t}/access.log;\n"
             f"  client_body_temp_path {t}/body;\n  proxy_temp_path {t}/proxy;\n"
             f"  fastcgi_temp_path {t}/fastcgi;\n  uwsgi_temp_path {t}/uwsgi;\n"
             f"  scgi_temp_path {t}/scgi;\n  include {t}/site.conf;\n}}\n"
-        )
-        check = subprocess.run([NGINX, "-t", "-p", str(t), "-c", str(t / "nginx.conf")],
-                               capture_output=True, text=True)  # fmt: skip
+        ))  # fmt: skip
+        argv = [NGINX, "-p", str(t), "-c", str(t / "nginx.conf"), "-e", str(t / "error.log")]
+        check = subprocess.run([*argv, "-t"], capture_output=True, text=True)
         assert check.returncode == 0, check.stderr
-        self.proc = subprocess.Popen(
-            [NGINX, "-p", str(t), "-c", str(t / "nginx.conf")],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        # SIGQUIT: a graceful stop; the workers exit with the master.
+        self.process = ManagedProcess(
+            argv, "nginx", log_path=t / "nginx.out", ready=http_answers(self.url + "/", 1.0),
+            stop_signal=signal.SIGQUIT, extra_logs=[t / "error.log"], poll_every=0.1,
         )  # fmt: skip
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, self.error_log()
-            try:
-                httpx.get(self.url + "/", timeout=1.0)
-                return self
-            except httpx.TransportError:
-                time.sleep(0.1)
-        raise TimeoutError("nginx did not listen:\n" + self.error_log())
+        self.process.start(timeout)
+        return self
 
     def error_log(self) -> str:
-        p = self.tmp / "error.log"
-        return p.read_text(errors="replace")[-4000:] if p.exists() else ""
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGQUIT)  # graceful; workers exit with the master
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        return file_tail(self.tmp / "error.log")
 
 
 def start_nginx(tmp: Path, upstream_port: int, read_timeout: str | None = None) -> Nginx:
