@@ -67,13 +67,14 @@ from prometheus_client.exposition import choose_encoder
 
 from sidecar.adapter import H11Stream
 from sidecar.config import Config, config_argv, format_hostport
+from sidecar.downstream import AccessRecord, answer_error, client_side, reason
 from sidecar.errors import ClientDisconnected, ClientError
 from sidecar.headers import get_header
 from sidecar.metrics import Metrics, status_class
 from sidecar.readiness import Readiness, poll_upstream
-from sidecar.relay import AccessRecord, Context, Exchange, answer_error, client_side, reason
+from sidecar.relay import Context, Exchange
 from sidecar.transport import TransportStream, accepted
-from sidecar.upstream import UpstreamClient, make_upstream
+from sidecar.upstream import UpstreamPool
 
 __all__ = [
     "Sidecar",
@@ -114,12 +115,12 @@ class Sidecar:
         config: Config,
         registry: CollectorRegistry | None = None,
         *,
-        upstream: UpstreamClient | None = None,
+        upstream: UpstreamPool | None = None,
     ) -> None:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = Metrics(self.registry, upstream_client=config.upstream_client)
-        self.ctx = Context(config, self.metrics, upstream or make_upstream(config))
+        self.metrics = Metrics(self.registry)
+        self.ctx = Context(config, self.metrics, upstream or UpstreamPool(config))
         self.address: tuple[str, int] | None = None
         self.metrics_address: tuple[str, int] | None = None
         self._drain_requested: anyio.Event | None = None

@@ -314,10 +314,13 @@ async def test_api_key(fake: FakeUpstream, sidecar_factory: SidecarFactory) -> N
     assert len(fake.requests) == 3
 
 
-async def test_httpx_upstream_backend(fake: FakeUpstream, sidecar_factory: SidecarFactory) -> None:
+async def test_pooled_upstream_adds_no_headers(
+    fake: FakeUpstream, sidecar_factory: SidecarFactory
+) -> None:
+    """Bodies of every framing on reused upstream connections; nothing added to the head."""
     fake.route("/s", [sse_head(), ("send", chunk(0)), ("send", b": preempted\n\n"),
                       ("send", b": resumed\n\n"), ("send", chunk(1)), ("end",)])  # fmt: skip
-    async with sidecar_factory(fake.url, upstream_client="httpx") as sc, httpx.AsyncClient() as c:
+    async with sidecar_factory(fake.url) as sc, httpx.AsyncClient() as c:
         r = await c.post(sc.url + "/echo", content=b"abc")
         assert r.content == b"abc"
         r = await c.get(sc.url + "/s")
@@ -330,9 +333,10 @@ async def test_httpx_upstream_backend(fake: FakeUpstream, sidecar_factory: Sidec
             await conn.close()
         names = {n.lower() for n, _ in fake.requests[-1].headers}
         assert b"accept-encoding" not in names and b"user-agent" not in names
+        assert len(fake.conns) < len(fake.requests)  # upstream connections were reused
 
 
 def test_json_error_shape() -> None:
-    from sidecar.relay import _error_body
+    from sidecar.downstream import error_body
 
-    assert json.loads(json.dumps(_error_body(502, "x")))["error"]["type"] == "unavailable_error"
+    assert json.loads(json.dumps(error_body(502, "x")))["error"]["type"] == "unavailable_error"

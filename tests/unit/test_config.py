@@ -80,7 +80,7 @@ def test_from_env_bad_number() -> None:
 @pytest.mark.parametrize(
     "changes",
     [{"park_keepalive": 0}, {"idle_keepalive": -1}, {"early_open_after": 0},
-     {"upstream_client": "curl"}, {"listen": "nope"}, {"upstream": "ftp://x"}],
+     {"upstream_max_idle": -1}, {"listen": "nope"}, {"upstream": "ftp://x"}],
 )  # fmt: skip
 def test_validation(changes: dict[str, object]) -> None:
     with pytest.raises(ValueError):
@@ -140,7 +140,6 @@ SAMPLES: dict[str, object] = {
     "keepalive_timeout": 11.0,
     "connect_timeout": 1.5,
     "upstream_head_timeout": 30.0,
-    "upstream_client": "httpx",
     "upstream_max_idle": 3,
     "ready_poll": 0.5,
     "ready_min_free_kv": 0.25,
