@@ -270,7 +270,12 @@ class H11Stream:
         else:
             out = self.conn.send(h11.Data(data=data)) or b""
         if out:
-            self._write(out)
+            try:  # _write, inlined: this is the hot path
+                self.stream.write(out)
+            except BaseException:
+                self._chunked_out = False
+                self.conn.send_failed()
+                raise
 
     async def send_data(self, data: bytes) -> None:
         """:meth:`write_data`, then wait out back-pressure."""

@@ -107,9 +107,24 @@ class Context:
     active: int = 0
     clock: Callable[[], float] = time.monotonic
     priority: PriorityRules = field(init=False)
+    _idle: anyio.Event | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.priority = self.config.priority_rules
+
+    def exchange_started(self) -> None:
+        self.active += 1
+
+    def exchange_ended(self) -> None:
+        self.active -= 1
+        if self.active == 0 and self._idle is not None:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        """Until no exchange is running (the drain)."""
+        while self.active:
+            self._idle = anyio.Event()
+            await self._idle.wait()
 
 
 class Exchange:
@@ -144,7 +159,7 @@ class Exchange:
 
     async def run(self) -> bool:
         """Handle the exchange; True if the client connection may be reused."""
-        self.ctx.active += 1
+        self.ctx.exchange_started()
         keep_alive = False
         try:
             self.plan = check_request(self.request, self.config)
@@ -174,9 +189,8 @@ class Exchange:
             raise
         finally:
             self._stop_keepalive()
-            self.ctx.active -= 1
-            with anyio.CancelScope(shield=True):
-                self._record()
+            self.ctx.exchange_ended()
+            self._record()  # synchronous: cancellation cannot cut it short
         return keep_alive and not self.ctx.draining
 
     # ------------------------------------------------------------- 1. check

@@ -192,8 +192,7 @@ class Sidecar:
                 for scope in list(self._idle_scopes):
                     scope.cancel()
                 with anyio.move_on_after(self._drain_timeout):
-                    while self.ctx.active > 0:
-                        await anyio.sleep(0.02)
+                    await self.ctx.wait_idle()
                 conns.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):

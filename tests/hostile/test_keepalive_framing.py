@@ -65,7 +65,8 @@ async def test_keepalives_in_a_close_delimited_body(
     ):
         await c.send(b"GET /v1/chat/completions HTTP/1.0\r\n\r\n")
         resp = await c.read_response(timeout=10)
-        assert resp.header(b"content-length") is None and not resp.chunked
+        assert resp.header(b"content-length") is None
+        assert not resp.chunked
         assert resp.body.count(b": preempt-keepalive\n\n") >= 2
         assert resp.body.replace(b": preempt-keepalive\n\n", b"") == (
             EVENTS[0] + EVENTS[2] + b"".join(EVENTS[3:])

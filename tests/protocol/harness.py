@@ -172,8 +172,7 @@ class Harness:
             finally:
                 with anyio.fail_after(5):
                     await end.close()
-                    while self.ctx.active:
-                        await anyio.sleep(0.001)
+                    await self.ctx.wait_idle()
                     await self.pool.aclose()
                 tg.cancel_scope.cancel()
 

@@ -46,9 +46,12 @@ async def test_receive_send_eof_and_close() -> None:
     await a.aclose()
     with pytest.raises(anyio.ClosedResourceError):
         await a.receive()
-    with pytest.raises((anyio.BrokenResourceError, anyio.EndOfStream)):
+    async def read_until_closed() -> None:
         for _ in range(100):  # until the loop has seen the close
             await b.receive()
+
+    with pytest.raises((anyio.BrokenResourceError, anyio.EndOfStream)):
+        await read_until_closed()
     await b.aclose()
 
 

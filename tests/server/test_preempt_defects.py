@@ -196,14 +196,16 @@ def test_no_unpaired_park_when_a_sibling_ends_the_stream(start_server: StartServ
 def test_preempt_ram_rejects_what_it_cannot_take(start_server: StartServer, value: str) -> None:
     with pytest.raises(ServerDied) as e:
         start_server(args=[*BASE, "-c", "256", "-np", "2", "--preempt-ram", value], timeout=60)
-    assert "--preempt-ram" in str(e.value) and value in str(e.value), str(e.value)[-2000:]
+    assert "--preempt-ram" in str(e.value), str(e.value)[-2000:]
+    assert value in str(e.value), str(e.value)[-2000:]
 
 
 def test_preempt_ram_env_rejects_a_fraction(start_server: StartServer) -> None:
     with pytest.raises(ServerDied) as e:
         start_server(args=[*BASE, "-c", "256", "-np", "2"],
                      env={"LLAMA_ARG_PREEMPT_RAM": "0.05"}, timeout=60)
-    assert "--preempt-ram" in str(e.value) and "0.05" in str(e.value), str(e.value)[-2000:]
+    assert "--preempt-ram" in str(e.value), str(e.value)[-2000:]
+    assert "0.05" in str(e.value), str(e.value)[-2000:]
 
 
 @pytest.mark.parametrize(("args", "echo"), [

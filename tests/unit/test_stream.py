@@ -80,7 +80,8 @@ def test_notices_report_park_changes_and_flips() -> None:
     assert a == NoticeSeen(NoticeKind.PREEMPTED, ParkStarted(0), parked=True)
     assert b == NoticeSeen(NoticeKind.PREEMPTED, ParkStarted(1))  # already parked
     (c,) = m.feed(b": resumed 0\n\n", 102.0)
-    assert isinstance(c.change, ParkEnded) and c.parked is None  # prompt 1 still parked
+    assert isinstance(c.change, ParkEnded)
+    assert c.parked is None
     (d,) = m.feed(b": recomputed 1\n\n", 104.0)
     assert d.change == ParkEnded(1, 3.0, True, 101.0)
     assert d.parked is False
@@ -114,11 +115,13 @@ def test_keepalive_reasons_and_counting() -> None:
     m = sse_monitor(park=1.0, idle=10.0)
     assert m.keepalive_due(105.0) is None
     ka = m.keepalive_due(110.0)
-    assert ka is not None and ka.reason is Reason.IDLE
+    assert ka is not None
+    assert ka.reason is Reason.IDLE
     assert m.keepalive_due(110.0) is None  # counted as written
     m.feed(b": preempted\n\n", 111.0)
     ka = m.keepalive_due(112.0)
-    assert ka is not None and ka.reason is Reason.PARK
+    assert ka is not None
+    assert ka.reason is Reason.PARK
     assert m.finish(112.5).keepalives == 2
 
 
@@ -145,10 +148,12 @@ def test_early_open_keepalives_until_upstream_answers() -> None:
     m.forwarded()
     assert m.opened_early(101.0)
     ka = m.keepalive_due(111.0)
-    assert ka is not None and ka.reason is Reason.EARLY_OPEN
+    assert ka is not None
+    assert ka.reason is Reason.EARLY_OPEN
     assert not m.answered(112.0, event_stream=True)  # the stream started already
     ka = m.keepalive_due(121.0)
-    assert ka is not None and ka.reason is Reason.IDLE
+    assert ka is not None
+    assert ka.reason is Reason.IDLE
     assert m.event_stream
 
 
