@@ -298,8 +298,10 @@ class Exchange:
         downstream gets those bytes unchanged.  Returns True when downstream is
         backed up (the relay task then drains before reading on).
         """
-        for seen in self.monitor.feed(data, self.clock()):
-            self.metrics.notice(seen)
+        seen = self.monitor.feed(data, self.clock())
+        if seen:
+            for notice in seen:
+                self.metrics.notice(notice)
         client = self.client
         try:
             client.write_data(data, wire)

@@ -170,7 +170,11 @@ class StreamMonitor:
         policy = self._policy
         if policy is None:
             return _NOTHING
-        policy.wrote(now)
+        # policy.wrote(now), inlined: this runs once per relayed event
+        gap = now - policy.last_write
+        if gap > policy.longest_silence:
+            policy.longest_silence = gap
+        policy.last_write = now
         texts = self._scanner.feed_comments(data)
         if not texts:
             return _NOTHING
