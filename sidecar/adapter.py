@@ -4,24 +4,37 @@ Theory of operation
 -------------------
 Modelled on h11's ``examples/trio-server.py`` (``TrioHTTPWrapper``) and
 httpcore's ``_async/http11.py``: an :class:`H11Stream` pairs one
-``h11.Connection`` with one anyio byte stream and is used for both roles (the
-client side of the sidecar is an h11 ``SERVER``, the upstream side an h11
-``CLIENT``).
+``h11.Connection`` with one :class:`~sidecar.transport.TransportStream` and is
+used for both roles (the client side of the sidecar is an h11 ``SERVER``, the
+upstream side an h11 ``CLIENT``).
 
 * :meth:`next_event` loops on ``NEED_DATA``, reading from the socket; a peer
   that closes is fed to h11 as ``b""`` so h11 decides whether that was a clean
   end (``ConnectionClosed``) or a truncated message (``RemoteProtocolError``;
   :attr:`eof` then tells the caller the peer went away).
-* :meth:`send` converts the event to bytes and writes them; when the write
-  raises, ``send_failed()`` is called so h11 knows the connection is dead.
+* **Writes** are synchronous: :meth:`write_event` and :meth:`write_data` hand
+  the bytes to the transport at once and never yield, so a unit that is
+  written by one call (or by several calls with no ``await`` between them)
+  reaches the peer whole, whatever else runs on the loop.  :meth:`drain` waits
+  for back-pressure; :meth:`send` and :meth:`send_data` are a write followed by
+  that wait.  When a write raises, ``send_failed()`` is called so h11 knows
+  the connection is dead.
+* **Raw-body mode**: h11 parses every head, but a body may be taken over
+  (:meth:`take_over_body`): h11 is then no longer fed for this message, the
+  caller reads raw bytes and decodes the framing itself (upstream response
+  bodies, chunked request bodies; see :mod:`sidecar.chunked`).  :attr:`raw_body`
+  says so; :meth:`reset` leaves the mode with a fresh state machine (the
+  upstream pool does that once a response ended exactly).  A server-role
+  connection whose request body was taken over is not :attr:`reusable`.
 * :meth:`reusable` / :meth:`start_next_cycle`: a connection is reused only when
   both sides are ``DONE`` (``MUST_CLOSE`` is honoured by closing).
 * :meth:`wait_for_eof` is the client-disconnect watcher's read: after the
   request is complete, any bytes read (pipelined requests) are handed to h11,
   which buffers them for the next cycle; end of stream means the client left.
 
-The class performs no locking: the relay serialises writes with its own lock.
-Errors escape as h11 / anyio / OSError exceptions; callers translate them with
+The class performs no locking; the ordering rule for the writes of one
+exchange is stated once, in :mod:`sidecar.relay`.  Errors escape as h11 /
+anyio / OSError exceptions; callers translate them with
 :func:`sidecar.errors.map_exceptions` because only they know which side is at
 fault.
 """
@@ -29,10 +42,9 @@ fault.
 from __future__ import annotations
 
 import anyio
-import anyio.abc
 import h11
 
-from sidecar.chunked import ChunkedDecoder
+from sidecar.chunked import ChunkedDecoder, frame
 from sidecar.errors import PEER_GONE
 from sidecar.transport import TransportStream
 
@@ -52,18 +64,18 @@ class H11Stream:
         "_max_incomplete",
         "_raw_pending",
         "_request_method",
-        "body_taken",
         "bytes_in_cycle",
         "conn",
         "discarding",
         "eof",
         "framing_out",
+        "raw_body",
         "stream",
     )
 
     def __init__(
         self,
-        stream: anyio.abc.ByteStream,
+        stream: TransportStream,
         role: type[h11.CLIENT] | type[h11.SERVER],
         *,
         max_incomplete_event_size: int = 16 * 1024,
@@ -73,7 +85,7 @@ class H11Stream:
         self.conn = h11.Connection(role, max_incomplete_event_size=max_incomplete_event_size)
         self.eof = False
         self.discarding = False  # pipelined input overflowed and is dropped (see wait_for_eof)
-        self.body_taken = False  # this request's body was read past h11 (next_chunked_piece)
+        self.raw_body = False  # this message's body is read past h11 (take_over_body)
         self._raw_pending = memoryview(b"")
         self.bytes_in_cycle = 0
         self._chunked_out = False  # our current message body is chunked (see send)
@@ -151,8 +163,7 @@ class H11Stream:
         afterwards (it closes after the response).  Raises ``ChunkedError`` for
         bad framing and ``h11.RemoteProtocolError`` if the peer closes mid-body.
         """
-        if not self.body_taken:
-            self.body_taken = True
+        if not self.raw_body:
             self._raw_pending = memoryview(self.take_over_body())
         if not self._raw_pending:
             data = await self._receive()
@@ -175,25 +186,23 @@ class H11Stream:
         return event
 
     def take_over_body(self) -> bytes:
-        """Hand the rest of the current message body to the caller as raw bytes.
+        """Enter raw-body mode: the rest of this message is the caller's to read.
 
-        Returns what h11 has buffered past the head; the caller then reads with
-        :meth:`receive_raw` and decodes the framing itself (see
-        :mod:`sidecar.chunked`).  h11 is no longer fed for this cycle;
-        :meth:`reset` gives a fresh state machine for the next one.
+        Returns what h11 has buffered past the head; the caller then reads the
+        socket (or installs a sink on :attr:`stream`) and decodes the framing
+        itself (see :mod:`sidecar.chunked`).  h11 is no longer fed for this
+        cycle; :meth:`reset` gives a fresh state machine for the next one.
         """
+        self.raw_body = True
         data, _closed = self.conn.trailing_data
         return bytes(data)
 
-    async def receive_raw(self) -> bytes:
-        """Read bytes from the socket (``b""`` at EOF), bypassing h11."""
-        return await self._receive()
-
     def reset(self) -> None:
-        """Start over with a fresh h11 state machine (after :meth:`take_over_body`)."""
+        """Leave raw-body mode with a fresh h11 state machine for the next message."""
         self.conn = h11.Connection(
             self.conn.our_role, max_incomplete_event_size=self._max_incomplete
         )
+        self.raw_body = False
         self.bytes_in_cycle = 0
 
     def has_buffered_data(self) -> bool:
@@ -208,7 +217,8 @@ class H11Stream:
         self.conn.receive_data(data)
         return bool(data)
 
-    async def send(self, event: h11.Event) -> None:
+    def write_event(self, event: h11.Event) -> None:
+        """Write an h11 event (a head, an end of message) now, without waiting."""
         data = self.conn.send(event)
         if type(event) is h11.Response:
             self.framing_out = self._framing(event, data)
@@ -217,7 +227,12 @@ class H11Stream:
             self._chunked_out = False
             self.framing_out = "none"
         if data:
-            await self._write(data)
+            self._write(data)
+
+    async def send(self, event: h11.Event) -> None:
+        """:meth:`write_event`, then wait out back-pressure."""
+        self.write_event(event)
+        await self.drain()
 
     def _framing(self, event: h11.Response, head: bytes | None) -> str:
         if self._request_method == b"HEAD" or event.status_code in (204, 304):
@@ -242,48 +257,34 @@ class H11Stream:
         """
         return self.framing_out in ("chunked", "close")
 
-    async def send_data(self, data: bytes) -> None:
-        """Send a body chunk (h11 adds the chunked framing if it chose it)."""
-        out = self.conn.send(h11.Data(data=data))
-        if out:
-            await self._write(out)
+    def write_data(self, data: bytes, wire: bytes | None = None) -> None:
+        """Write a piece of the message body now, without waiting.
 
-    def send_data_now(self, data: bytes) -> None:
-        """:meth:`send_data` without awaiting, for callbacks on the loop thread.
-
-        Needs a :class:`~sidecar.transport.TransportStream`; the bytes go to the
-        transport at once (call :meth:`drain` from a task for back-pressure).
+        When our body is chunked it is framed here (:func:`~sidecar.chunked.frame`,
+        as h11's writer would, without an h11 event per write on the hot path),
+        unless ``wire`` is given: ``data`` already in complete canonical chunks,
+        as the upstream framed it, which is written as it stands.
         """
-        stream = self.stream
-        assert isinstance(stream, TransportStream)
-        if self._chunked_out and data:
-            # RFC 9112 section 7.1, as h11's ChunkedWriter would frame it, without
-            # the cost of an h11 event per write on the hot path.
-            out: bytes | None = b"%x\r\n%b\r\n" % (len(data), data)
+        if self._chunked_out:
+            out = wire if wire is not None else frame(data)
         else:
-            out = self.conn.send(h11.Data(data=data))
+            out = self.conn.send(h11.Data(data=data)) or b""
         if out:
-            try:
-                stream.write(out)
+            try:  # _write, inlined: this is the hot path
+                self.stream.write(out)
             except BaseException:
                 self._chunked_out = False
                 self.conn.send_failed()
                 raise
 
-    def send_wire_now(self, data: bytes, wire: bytes | None) -> None:
-        """:meth:`send_data_now` for ``data`` that also comes as chunked ``wire`` bytes.
+    async def send_data(self, data: bytes) -> None:
+        """:meth:`write_data`, then wait out back-pressure."""
+        self.write_data(data)
+        await self.drain()
 
-        When our body is chunked, ``wire`` (``data`` in complete canonical
-        chunks, as the upstream framed it) is written as it stands: the
-        downstream framing becomes the upstream's, and nothing is re-encoded.
-        """
-        if wire is None or not self._chunked_out:
-            self.send_data_now(data)
-            return
-        stream = self.stream
-        assert isinstance(stream, TransportStream)
+    def _write(self, data: bytes) -> None:
         try:
-            stream.write(wire)
+            self.stream.write(data)
         except BaseException:
             self._chunked_out = False
             self.conn.send_failed()
@@ -292,20 +293,12 @@ class H11Stream:
     @property
     def backed_up(self) -> bool:
         """True while written bytes wait for the kernel buffer (see :meth:`drain`)."""
-        stream = self.stream
-        return isinstance(stream, TransportStream) and stream.write_paused
+        return self.stream.write_paused
 
     async def drain(self) -> None:
-        stream = self.stream
-        if isinstance(stream, TransportStream):
-            await stream.drain()
-
-    async def _write(self, data: bytes) -> None:
-        try:
-            await self.stream.send(data)
-        except BaseException:
-            self.conn.send_failed()
-            raise
+        """Wait until the bytes written so far have reached the kernel."""
+        if self.stream.write_paused:
+            await self.stream.drain()
 
     async def wait_for_eof(self) -> None:
         """Return when the peer closes.
@@ -333,7 +326,7 @@ class H11Stream:
             self.conn.our_state is h11.DONE
             and self.conn.their_state is h11.DONE
             and not self.discarding
-            and not self.body_taken
+            and not self.raw_body
         )
 
     def start_next_cycle(self) -> None:

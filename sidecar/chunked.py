@@ -16,6 +16,9 @@ fields are read and dropped (the sidecar does not relay trailers).  A bare LF
 is accepted as a line end, like h11 does.  Malformed framing raises
 :class:`ChunkedError`.
 
+Framing: :func:`frame` is the one place a chunk is written (the relay's
+downstream writes, keepalive comments, re-framed pieces of a split chunk).
+
 Pass-through: :func:`whole_chunks` finds the prefix of a read that is a run of
 complete data chunks in canonical form (hex size, no extension, CRLF, data,
 CRLF).  Those bytes are valid chunked framing as they stand, so a relay whose
@@ -30,12 +33,22 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["ChunkedDecoder", "ChunkedError", "whole_chunks"]
+__all__ = ["ChunkedDecoder", "ChunkedError", "frame", "whole_chunks"]
 
 MAX_LINE = 4096  # chunk-size line or trailer line
 MAX_TRAILER = 16 * 1024  # the whole trailer section
 _HEX = frozenset(b"0123456789abcdefABCDEF")
 _SIZE_LINE = re.compile(rb"([0-9a-fA-F]{1,15})\r\n")
+
+
+def frame(data: bytes) -> bytes:
+    """``data`` as one chunk (RFC 9112 section 7.1); ``b""`` for no data.
+
+    An empty chunk would be the last-chunk, so nothing is written for it.
+    """
+    if not data:
+        return b""
+    return b"%x\r\n%b\r\n" % (len(data), data)
 
 
 def whole_chunks(data: bytes) -> tuple[bytes, int]:

@@ -43,7 +43,6 @@ __all__ = [
 ]
 
 ENV_PREFIX = "LLAMA_SIDECAR_"
-UpstreamClientName = Literal["h11", "httpx"]
 MiB = 1024 * 1024
 
 
@@ -119,8 +118,6 @@ class Config:
     upstream_head_timeout: float = field(default=600.0, metadata=_doc(
         "SECONDS", "Time upstream has for its response head once the request is sent (504); "
         "llama-server sends it with the first token, or at the end when not streaming."))
-    upstream_client: UpstreamClientName = field(default="h11", metadata=_doc(
-        "h11|httpx", "Upstream HTTP client."))
     upstream_max_idle: int = field(default=64, metadata=_doc(
         "N", "Idle upstream keep-alive connections kept in the pool."))
     ready_poll: float = field(default=1.0, metadata=_doc(
@@ -164,8 +161,6 @@ class Config:
             raise ValueError("ready_min_free_kv is a share of the pool: 0 <= share < 1")
         # the priority options parse: a bad key list is a startup error, not a per-request one
         _ = self.priority_rules
-        if self.upstream_client not in ("h11", "httpx"):
-            raise ValueError("upstream_client must be 'h11' or 'httpx'")
 
     @property
     def priority_rules(self) -> PriorityRules:

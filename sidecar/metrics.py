@@ -10,6 +10,14 @@ low-cardinality by construction: ``route`` comes from a fixed table of known
 llama-server routes (anything else is ``other``), ``status_class`` is ``1xx``
 to ``5xx`` or ``none``; no path, id or address ever becomes a label.
 
+Label sets come from the enums that name the values (:class:`~sidecar.keepalive.Reason`,
+:class:`~sidecar.notices.NoticeKind`, :class:`~sidecar.stream.Phase`, the kinds of
+:class:`~sidecar.errors.UpstreamError`), and every label set is created up front so
+dashboards see zeros, not gaps.  A relayed response is recorded from its
+:class:`~sidecar.stream.StreamMonitor`: :meth:`Metrics.notice` for each park notice as it
+passes (parks, resumes and the parked gauge are live), :meth:`Metrics.observe` with the
+:class:`~sidecar.stream.StreamStats` at the end.
+
 The exposition is served by :mod:`sidecar.server` on its own listener through
 ``prometheus_client.exposition.choose_encoder``.
 """
@@ -21,7 +29,10 @@ import platform
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from sidecar import __version__
-from sidecar.notices import NoticeKind
+from sidecar.errors import UpstreamError
+from sidecar.keepalive import Reason
+from sidecar.notices import NoticeKind, ParkEnded, ParkStarted
+from sidecar.stream import NoticeSeen, Phase, StreamStats
 
 __all__ = ["DURATION_BUCKETS", "KNOWN_ROUTES", "Metrics", "route_label", "status_class"]
 
@@ -44,7 +55,7 @@ KNOWN_ROUTES = frozenset(
         "/apply-template", "/lora-adapters",
     }
 )  # fmt: skip
-DISCONNECT_PHASES = ("request", "queued", "prompt", "streaming", "parked")
+UPSTREAM_ERROR_KINDS = tuple(sorted({c.kind for c in UpstreamError.__subclasses__()}))
 
 
 def route_label(target: bytes | str) -> str:
@@ -65,7 +76,7 @@ def status_class(status: int | None) -> str:
 
 
 class Metrics:
-    def __init__(self, registry: CollectorRegistry, *, upstream_client: str = "h11") -> None:
+    def __init__(self, registry: CollectorRegistry) -> None:
         self.registry = registry
         r = registry
         p = PREFIX
@@ -160,23 +171,59 @@ class Metrics:
             registry=r,
         )
         self.build_info = Info(f"{p}_build", "Sidecar build information", registry=r)
-        self.build_info.info(
-            {
-                "version": __version__,
-                "python": platform.python_version(),
-                "upstream_client": upstream_client,
-            }
-        )
+        self.build_info.info({"version": __version__, "python": platform.python_version()})
         # Pre-create bounded label sets so dashboards see zeros, not gaps.
-        for reason in ("park", "idle", "early_open"):
-            self.keepalives.labels(reason)
+        for reason in Reason:
+            self.keepalives.labels(reason.value)
         for notice in NoticeKind:
             self.upstream_comments.labels(notice.value)
-        for phase in DISCONNECT_PHASES:
-            self.client_disconnects.labels(phase)
-        for kind in ("connect", "timeout", "protocol", "disconnect"):
+        for phase in Phase:
+            self.client_disconnects.labels(phase.value)
+        for kind in UPSTREAM_ERROR_KINDS:
             self.upstream_errors.labels(kind)
         for direction in ("request", "response"):
             self.bytes.labels(direction)
         for outcome in ("set", "unparsed"):
             self.priority_requests.labels(outcome)
+
+    # ------------------------------------------------------- relayed responses
+
+    def stream_started(self) -> None:
+        self.streams_active.inc()
+
+    def notice(self, seen: NoticeSeen) -> None:
+        """One comment line of an event stream, as it is relayed."""
+        self.upstream_comments.labels(seen.kind.value).inc()
+        change = seen.change
+        if type(change) is ParkStarted:
+            self.parks.inc()
+        elif type(change) is ParkEnded:
+            (self.recomputes if change.recomputed else self.resumes).inc()
+            self.park_duration.observe(change.duration)
+        if seen.parked is not None:
+            self.streams_parked.inc() if seen.parked else self.streams_parked.dec()
+
+    def keepalive(self, reason: Reason) -> None:
+        self.keepalives.labels(reason.value).inc()
+
+    def disconnect(self, phase: Phase) -> None:
+        self.client_disconnects.labels(phase.value).inc()
+
+    def observe(self, stats: StreamStats, *, route: str, status: int | None, bytes_in: int) -> None:
+        """One finished exchange: the request figures, and the end of its stream."""
+        if stats.event_stream:
+            self.streams_active.dec()
+            if stats.parked_at_end:
+                self.streams_parked.dec()
+            for ended in stats.unended_parks:
+                # Still parked at the end (client left, upstream died): the park
+                # lasted this long, but it was neither resumed nor recomputed.
+                self.park_duration.observe(ended.duration)
+            if stats.longest_silence is not None:
+                self.longest_silence.observe(stats.longest_silence)
+        self.requests.labels(route, status_class(status)).inc()
+        self.request_duration.labels(route).observe(stats.duration)
+        if stats.ttfb is not None:
+            self.ttfb.labels(route).observe(stats.ttfb)
+        self.bytes.labels("request").inc(bytes_in)
+        self.bytes.labels("response").inc(stats.bytes_out)

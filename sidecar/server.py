@@ -50,13 +50,14 @@ from prometheus_client.exposition import choose_encoder
 
 from sidecar.adapter import H11Stream
 from sidecar.config import Config, format_hostport
+from sidecar.downstream import AccessRecord, answer_error, client_side, reason
 from sidecar.errors import ClientDisconnected, ClientError
 from sidecar.headers import get_header
 from sidecar.metrics import Metrics, status_class
 from sidecar.readiness import Readiness, poll_upstream
-from sidecar.relay import AccessRecord, Context, Exchange, answer_error, client_side, reason
+from sidecar.relay import Context, Exchange
 from sidecar.transport import TransportStream, accepted
-from sidecar.upstream import UpstreamClient, make_upstream
+from sidecar.upstream import UpstreamPool
 
 __all__ = ["Sidecar", "serve"]
 
@@ -88,12 +89,12 @@ class Sidecar:
         config: Config,
         registry: CollectorRegistry | None = None,
         *,
-        upstream: UpstreamClient | None = None,
+        upstream: UpstreamPool | None = None,
     ) -> None:
         self.config = config
         self.registry = registry if registry is not None else CollectorRegistry()
-        self.metrics = Metrics(self.registry, upstream_client=config.upstream_client)
-        self.ctx = Context(config, self.metrics, upstream or make_upstream(config))
+        self.metrics = Metrics(self.registry)
+        self.ctx = Context(config, self.metrics, upstream or UpstreamPool(config))
         self.address: tuple[str, int] | None = None
         self.metrics_address: tuple[str, int] | None = None
         self._drain_requested: anyio.Event | None = None
@@ -165,8 +166,7 @@ class Sidecar:
                 for scope in list(self._idle_scopes):
                     scope.cancel()
                 with anyio.move_on_after(self._drain_timeout):
-                    while self.ctx.active > 0:
-                        await anyio.sleep(0.02)
+                    await self.ctx.wait_idle()
                 conns.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True), anyio.move_on_after(2):

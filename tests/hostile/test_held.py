@@ -12,6 +12,7 @@ import re
 import time
 
 import anyio
+import anyio.lowlevel
 import pytest
 
 from sidecar.server import Sidecar
@@ -242,4 +243,4 @@ async def test_keepalive_never_inside_an_event_under_random_splits(
     assert relayed == stream  # every other byte is upstream's, in order, untouched
     assert keepalives >= 3
     assert sc.metrics.keepalives.labels("park")._value.get() == keepalives
-    await anyio.sleep(0)
+    await anyio.lowlevel.checkpoint()

@@ -65,7 +65,8 @@ async def test_keepalives_in_a_close_delimited_body(
     ):
         await c.send(b"GET /v1/chat/completions HTTP/1.0\r\n\r\n")
         resp = await c.read_response(timeout=10)
-        assert resp.header(b"content-length") is None and not resp.chunked
+        assert resp.header(b"content-length") is None
+        assert not resp.chunked
         assert resp.body.count(b": preempt-keepalive\n\n") >= 2
         assert resp.body.replace(b": preempt-keepalive\n\n", b"") == (
             EVENTS[0] + EVENTS[2] + b"".join(EVENTS[3:])
@@ -92,14 +93,14 @@ async def test_a_failing_keepalive_ends_the_exchange_not_the_timer(
     loop_errors: list[dict[str, Any]] = []
     loop = asyncio.get_running_loop()
     loop.set_exception_handler(lambda _loop, context: loop_errors.append(context))
-    real = H11Stream.send_data_now
+    real = H11Stream.write_data
 
-    def failing(self: H11Stream, data: bytes) -> None:
+    def failing(self: H11Stream, data: bytes, wire: bytes | None = None) -> None:
         if data.startswith(b": preempt-keepalive"):
             raise RuntimeError("a bug while writing a keepalive")
-        real(self, data)
+        real(self, data, wire)
 
-    monkeypatch.setattr(H11Stream, "send_data_now", failing)
+    monkeypatch.setattr(H11Stream, "write_data", failing)
     fake.route("/v1/chat/completions", [sse_head(), ("send", EVENTS[2]), ("sleep", 5),
                                         ("send", EVENTS[3]), ("end",)])  # fmt: skip
     try:

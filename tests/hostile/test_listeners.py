@@ -45,7 +45,8 @@ async def test_idle_keepalive_scrape_connection_is_closed_after_keepalive_timeou
             for request in (GET_METRICS, GET_HEALTHZ):  # keep-alive: two on one connection
                 await conn.send(request)
                 resp = await conn.read_response()
-                assert resp.status == 200 and resp.reason == b"OK"
+                assert resp.status == 200
+                assert resp.reason == b"OK"
             t0 = time.monotonic()
             assert await conn.wait_closed(timeout=5) == b""
             assert 0.4 < time.monotonic() - t0 < 2.0
@@ -117,7 +118,8 @@ async def test_metrics_listener_refuses_what_it_does_not_serve(
     async with await RawConn.open(_metrics_base(sidecar)) as conn:
         await conn.send(b"HEAD /metrics HTTP/1.1\r\nHost: m\r\n\r\n")
         resp = await conn.read_response(head_only=True)
-        assert resp.status == 200 and int(resp.header(b"content-length") or 0) > 0
+        assert resp.status == 200
+        assert int(resp.header(b"content-length") or 0) > 0
         await conn.send(GET_HEALTHZ)  # the HEAD response had no body: still in sync
         assert (await conn.read_response()).body == b"ok\n"
 
@@ -206,7 +208,8 @@ def test_idle_metrics_connections_past_30_s_leave_the_process_serving() -> None:
             t.join(20)
             assert "error" not in out, out.get("error")
             body = out["body"]
-            assert isinstance(body, bytes) and body.endswith(b"data: [DONE]\n\n")
+            assert isinstance(body, bytes)
+            assert body.endswith(b"data: [DONE]\n\n")
             assert body.count(b"data: {") == n
             silent.close()
         finally:

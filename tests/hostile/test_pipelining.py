@@ -77,7 +77,8 @@ async def test_overflowing_pipeline_gets_its_response_then_a_close(
     async with await RawConn.open(sidecar.url) as conn:
         await conn.send(REQUEST + PIPELINED["requests"])
         resp = await conn.read_response()
-        assert resp.status == 200 and resp.body.endswith(b"data: [DONE]\n\n")
+        assert resp.status == 200
+        assert resp.body.endswith(b"data: [DONE]\n\n")
         assert await conn.wait_closed() == b""  # the dropped requests are not answered
 
 

@@ -136,7 +136,8 @@ async def test_good_chunks_before_a_bad_one_are_delivered(
         await c.send(b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")
         await c.read_until(b"\r\n\r\n")
         rest = await c.wait_closed(timeout=5)
-        assert b"data: hello\n\n" in rest and b"data: world\n\n" in rest
+        assert b"data: hello\n\n" in rest
+        assert b"data: world\n\n" in rest
         assert not rest.endswith(b"0\r\n\r\n")  # ended abnormally: no terminating chunk
     with anyio.fail_after(2):
         while sidecar.ctx.active:

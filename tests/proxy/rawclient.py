@@ -25,7 +25,8 @@ class RawConn:
     @classmethod
     async def open(cls, url: str) -> RawConn:
         parts = urlsplit(url)
-        assert parts.hostname and parts.port
+        assert parts.hostname
+        assert parts.port
         return cls(await anyio.connect_tcp(parts.hostname, parts.port))
 
     async def send(self, data: bytes) -> None:

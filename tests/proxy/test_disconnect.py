@@ -55,7 +55,8 @@ async def test_disconnect_closes_upstream_fast(
     assert sum(m.client_disconnects.labels(p)._value.get() for p in SCRIPTS) == 1
     assert m.streams_active._value.get() == 0
     assert m.streams_parked._value.get() == 0
-    assert m.resumes._value.get() == 0 and m.recomputes._value.get() == 0
+    assert m.resumes._value.get() == 0
+    assert m.recomputes._value.get() == 0
     if phase == "parked":
         assert m.parks._value.get() == 1
         assert m.park_duration._sum.get() > 0.1  # ended with the stream

@@ -22,7 +22,8 @@ async def scrape(sc: Sidecar) -> Samples:
     async with httpx.AsyncClient() as c:
         r = await c.get(sc.metrics_url)
         health = await c.get(sc.metrics_url.replace("/metrics", "/healthz"))
-    assert r.status_code == 200 and health.status_code == 200
+    assert r.status_code == 200
+    assert health.status_code == 200
     assert r.headers["content-type"].startswith("text/plain")
     out: Samples = {}
     for fam in text_string_to_metric_families(r.text):
@@ -98,7 +99,8 @@ async def test_metrics_after_scripted_scenarios(
     assert v(m, "llama_sidecar_bytes_total", direction="response") == expected_bytes
     assert v(m, "llama_sidecar_bytes_total", direction="request") == 0
     info = [k for k in m if k[0] == "llama_sidecar_build_info"]
-    assert len(info) == 1 and ("version", "0.1.0") in info[0][1]
+    assert len(info) == 1
+    assert ("version", "0.1.0") in info[0][1]
     # longest silence: the 1.5 s park had one keepalive at 1 s, then 0.5 s more
     assert 0.95 <= v(m, "llama_sidecar_stream_longest_silence_seconds_sum") - 0 <= 3
 

@@ -56,7 +56,8 @@ async def test_a_body_that_is_not_json_goes_through_unchanged_and_counted(
     async with sidecar_factory(fake.url, **RULES) as sc, httpx.AsyncClient() as c:
         for raw in (b"not json", b"[1, 2]", b'{"prompt": "cut'):
             r = await c.post(sc.url + "/completion", content=raw, headers={"X-Priority": "3"})
-            assert r.status_code == 200 and r.content == raw
+            assert r.status_code == 200
+            assert r.content == raw
         metrics = (await c.get(sc.metrics_url or "")).text
     assert 'llama_sidecar_priority_requests_total{outcome="unparsed"} 3.0' in metrics
     assert sent(fake) == [b"not json", b"[1, 2]", b'{"prompt": "cut']

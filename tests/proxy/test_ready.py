@@ -67,7 +67,8 @@ async def test_ready_flips_with_parked_requests(
             fake.route("/metrics", metrics_script(0))
             await wait_status(c, ready_url, 200)
         # the running stream was never touched by readiness
-        assert chunk(3).decode() in result[0] and "[DONE]" in result[0]
+        assert chunk(3).decode() in result[0]
+        assert "[DONE]" in result[0]
         assert sc.readiness.flips >= 2
 
 

@@ -162,7 +162,8 @@ async def test_early_open_turns_upstream_4xx_into_error_event(
         status, _, reads = await timed_stream(sc.url + "/v1/chat/completions")
     assert status == 200
     body = without_keepalives(body_of(reads))
-    assert body.startswith(b"data: ") and body.endswith(b"\n\n")
+    assert body.startswith(b"data: ")
+    assert body.endswith(b"\n\n")
     assert body.count(b"data: ") == 1
     assert json.loads(body[6:]) == err
 

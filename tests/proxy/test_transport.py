@@ -10,9 +10,10 @@ import pytest
 
 from sidecar.chunked import ChunkedDecoder
 from sidecar.transport import READ_HIGH_WATER, TransportStream, accepted, connect
-from sidecar.upstream import _BodySink
+from sidecar.upstream import Framing, ResponseHead, _BodySink
 
 pytestmark = pytest.mark.anyio
+CHUNKED = ResponseHead(200, b"OK", [], framing=Framing.CHUNKED)
 
 
 async def _pair() -> tuple[TransportStream, TransportStream]:
@@ -45,9 +46,12 @@ async def test_receive_send_eof_and_close() -> None:
     await a.aclose()
     with pytest.raises(anyio.ClosedResourceError):
         await a.receive()
-    with pytest.raises((anyio.BrokenResourceError, anyio.EndOfStream)):
+    async def read_until_closed() -> None:
         for _ in range(100):  # until the loop has seen the close
             await b.receive()
+
+    with pytest.raises((anyio.BrokenResourceError, anyio.EndOfStream)):
+        await read_until_closed()
     await b.aclose()
 
 
@@ -77,6 +81,7 @@ async def test_sink_back_pressure_keeps_every_byte_in_order(framed: bool) -> Non
 
     ``framed``: the pass-through path, where the downstream gets the upstream's
     whole chunks as they are and the rest re-framed; decoded, it is the same body.
+    Otherwise the downstream gets the decoded pieces (``wire`` unused).
     """
     up_srv, up = await _pair()  # upstream server side writes, `up` is the sidecar's end
     down, client = await _pair()  # sidecar writes to `down`, `client` reads slowly
@@ -95,7 +100,7 @@ async def test_sink_back_pressure_keeps_every_byte_in_order(framed: bool) -> Non
             down.write(data)
         return down.write_paused
 
-    sink = _BodySink(up, ChunkedDecoder(), deliver, framed=framed)
+    sink = _BodySink(up, CHUNKED, deliver)
     assert up.set_sink(sink) == b""
     got = bytearray()
     total = sum(map(len, pieces))
@@ -140,7 +145,7 @@ async def test_sink_back_pressure_keeps_every_byte_in_order(framed: bool) -> Non
 
 async def test_sink_reports_upstream_gone_mid_body() -> None:
     up_srv, up = await _pair()
-    sink = _BodySink(up, ChunkedDecoder(), lambda data: False)
+    sink = _BodySink(up, CHUNKED, lambda data, wire: False)
     up.set_sink(sink)
     await up_srv.send(b"5\r\nhello\r\n")
     await up_srv.aclose()

@@ -208,7 +208,8 @@ def test_admission_waits_behind_a_parked_head(start_server: StartServer, slow_mo
                           completion_body(token_prompt(8, 52), 8, stream=True))
     t_pair.join(300)
     parked: StreamLog = out["res"]
-    assert parked.status == 200 and newcomer.status == 200
+    assert parked.status == 200
+    assert newcomer.status == 200
     assert len(newcomer.tokens()) == 8
 
     def absolute(log: StreamLog, pick: Any) -> float:
@@ -229,14 +230,16 @@ def test_admission_waits_behind_a_parked_head(start_server: StartServer, slow_mo
 def test_preempt_ram_rejects_what_it_cannot_take(start_server: StartServer, value: str) -> None:
     with pytest.raises(ServerDied) as e:
         start_server(args=[*BASE, "-c", "256", "-np", "2", "--preempt-ram", value], timeout=60)
-    assert "--preempt-ram" in str(e.value) and value in str(e.value), str(e.value)[-2000:]
+    assert "--preempt-ram" in str(e.value), str(e.value)[-2000:]
+    assert value in str(e.value), str(e.value)[-2000:]
 
 
 def test_preempt_ram_env_rejects_a_fraction(start_server: StartServer) -> None:
     with pytest.raises(ServerDied) as e:
         start_server(args=[*BASE, "-c", "256", "-np", "2"],
                      env={"LLAMA_ARG_PREEMPT_RAM": "0.05"}, timeout=60)
-    assert "--preempt-ram" in str(e.value) and "0.05" in str(e.value), str(e.value)[-2000:]
+    assert "--preempt-ram" in str(e.value), str(e.value)[-2000:]
+    assert "0.05" in str(e.value), str(e.value)[-2000:]
 
 
 @pytest.mark.parametrize(("args", "echo"), [

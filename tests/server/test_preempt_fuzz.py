@@ -224,7 +224,8 @@ def _dechunk(raw: bytes) -> tuple[bytes, bool]:
 def post(url: str, path: str, body: dict[str, Any], cancel_after: float | None,
          timeout: float = 240.0) -> Response:
     parts = urlsplit(url)
-    assert parts.hostname is not None and parts.port is not None
+    assert parts.hostname is not None
+    assert parts.port is not None
     data = json.dumps(body).encode()
     head = (f"POST {path} HTTP/1.1\r\nHost: {parts.hostname}:{parts.port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n"
@@ -399,7 +400,8 @@ def check_request(plan: RequestPlan, server: ServerPlan, res: Response) -> dict[
         if res.cancelled and not res.complete:
             return {"cancelled": 1}
         err = json.loads(res.body or b"{}").get("error")
-        assert is_context_error(err) and not fits_alone(plan, server), (
+        assert is_context_error(err), ("not a context error", res.status, err)
+        assert not fits_alone(plan, server), (
             "an error for a request that fits alone", res.status, err)
         return {"errors": 1}
     if plan.stream:
@@ -415,8 +417,8 @@ def check_request(plan: RequestPlan, server: ServerPlan, res: Response) -> dict[
     if res.cancelled:
         return {"cancelled": 1, "parks": n_parks}
     if error is not None:
-        assert is_context_error(error) and not fits_alone(plan, server), (
-            "an error for a request that fits alone", error)
+        assert is_context_error(error), ("not a context error", error)
+        assert not fits_alone(plan, server), ("an error for a request that fits alone", error)
         return {"errors": 1, "parks": n_parks}
     assert sorted(finals) == list(range(plan.n_results())), ("results", sorted(finals))
     for idx, final in finals.items():
@@ -451,7 +453,8 @@ def solo_tokens(url: str, prompt: list[int], n_predict: int) -> list[int]:
     res = post(url, "/completion", request_body(plan), None)
     assert res.status == 200, res.body[:500]
     finals, error, tokens = parse_stream(res)
-    assert error is None and 0 in finals, (error, finals)
+    assert error is None, (error, finals)
+    assert 0 in finals, (error, finals)
     return tokens[0]
 
 
@@ -496,7 +499,8 @@ def test_random_workload(seed: int, start_server: StartServer, tiny_model: Path)
         n = min(64, server.pool - 16)
         got_tokens = solo_tokens(srv.url, prompt, n)
         ref_tokens = solo_tokens(ref_srv.url, prompt, n)
-        assert got_tokens == ref_tokens and len(got_tokens) == n, where
+        assert got_tokens == ref_tokens, where
+        assert len(got_tokens) == n, where
         ref_srv.stop()
         counts["identical"] = 1
 

@@ -61,7 +61,8 @@ def assert_settled(url: str) -> dict[str, float]:
 def assert_same(got: Completion, ref: Completion, n: int) -> None:
     assert ref.ok, ref.error
     assert got.ok, got.error
-    assert got.n_predicted == n and ref.n_predicted == n, (got.n_predicted, ref.n_predicted)
+    assert got.n_predicted == n, (got.n_predicted, ref.n_predicted)
+    assert ref.n_predicted == n, (got.n_predicted, ref.n_predicted)
     assert len(got.tokens) == n  # byte tokens are banned, so every token is streamed
     assert got.tokens == ref.tokens
     assert got.content == ref.content
@@ -91,7 +92,8 @@ def test_forced_parks_change_nothing(start_server: StartServer) -> None:
 
     assert_same(got, ref, 64)
     assert ref.preempt == {"parks": 0, "recomputes": 0}
-    assert got.preempt["parks"] >= 6 and got.preempt["recomputes"] == 0, got.preempt
+    assert got.preempt["parks"] >= 6, got.preempt
+    assert got.preempt["recomputes"] == 0, got.preempt
 
     log = forced.log_text()
     assert "LLAMA_SERVER_PREEMPT_EVERY = 8" in log
@@ -113,7 +115,8 @@ def test_two_overflowing_generations_both_finish(start_server: StartServer) -> N
 
     for got, ref in zip(together, solo, strict=True):
         assert_same(got, ref, 160)
-        assert got.final and not got.final["truncated"]
+        assert got.final
+        assert not got.final["truncated"]
     assert sum(c.preempt["parks"] for c in together) >= 1
     m = assert_settled(srv.url)
     assert m["n_preempt_total"] >= 1
@@ -149,7 +152,8 @@ def test_last_resort_rewinds_a_prompt_chunk_once(start_server: StartServer) -> N
     solo, together = solo_then_together(srv.url, prompts, 40)
     for got, ref, p in zip(together, solo, prompts, strict=True):
         assert_same(got, ref, 40)
-        assert got.final is not None and got.final["tokens_evaluated"] == len(p)
+        assert got.final is not None
+        assert got.final["tokens_evaluated"] == len(p)
         assert got.timings["prompt_n"] == len(p), got.timings
         assert got.timings["cache_n"] == 0
     assert sum(c.preempt["parks"] for c in together) >= 1
@@ -184,12 +188,16 @@ def test_off_by_default_behaves_as_upstream(
 
     assert not preempt_log_lines(patched.log_text())
     m = metrics(patched.url)
-    assert m["n_preempt_total"] == 0 and m["n_resume_total"] == 0 and m["requests_preempted"] == 0
+    assert m["n_preempt_total"] == 0
+    assert m["n_resume_total"] == 0
+    assert m["requests_preempted"] == 0
 
     # the server lives on and serves the next request; no "preempt" record while preemption is off
     after = complete(patched.url, PROMPTS[2], 16, stream=False)
-    assert after.ok and after.n_predicted == 16
-    assert after.final is not None and "preempt" not in after.final
+    assert after.ok
+    assert after.n_predicted == 16
+    assert after.final is not None
+    assert "preempt" not in after.final
     assert all("is_preempted" not in s for s in slots(patched.url))
 
 
@@ -201,10 +209,12 @@ def assert_recompute_run(
 ) -> None:
     for c in together:
         assert c.ok, c.error
-        assert c.n_predicted == n_predict and len(c.tokens) == n_predict
+        assert c.n_predicted == n_predict
+        assert len(c.tokens) == n_predict
         assert c.preempt["recomputes"] == c.preempt["parks"]
         # the replay is never billed: usage and timings count the task's own prompt only
-        assert c.final is not None and c.final["tokens_evaluated"] == prompt_len
+        assert c.final is not None
+        assert c.final["tokens_evaluated"] == prompt_len
         assert c.timings["prompt_n"] + c.timings["cache_n"] == prompt_len, c.timings
         assert c.timings["predicted_n"] == n_predict
     assert sum(c.preempt["parks"] for c in together) >= 1
@@ -242,7 +252,8 @@ def test_two_near_full_prompts(start_server: StartServer) -> None:
     for c in together:
         assert c.ok, c.error
         assert c.n_predicted == 8
-        assert c.final is not None and c.final["tokens_evaluated"] == 240
+        assert c.final is not None
+        assert c.final["tokens_evaluated"] == 240
         assert c.timings["prompt_n"] == 240, c.timings
     assert sum(c.preempt["parks"] for c in together) >= 1
     assert_settled(srv.url)
@@ -278,9 +289,11 @@ def test_cancel_while_parked_frees_ram_and_slot(
         timeout=60,
         what="a parked slot",
     )
-    assert parked[0]["n_preempt"] >= 1 and parked[0]["is_processing"]
+    assert parked[0]["n_preempt"] >= 1
+    assert parked[0]["is_processing"]
     m = metrics(srv.url)
-    assert m["requests_preempted"] == 1 and m["preempt_ram_bytes"] > 0
+    assert m["requests_preempted"] == 1
+    assert m["preempt_ram_bytes"] > 0
 
     b.cancel()  # the client goes away while its slot is parked
     m = wait_for(
@@ -292,12 +305,15 @@ def test_cancel_while_parked_frees_ram_and_slot(
     assert m["preempt_ram_bytes"] == 0
     assert "a" not in results, "A should still be running while B's cancel is handled"
     busy = [s for s in slots(srv.url) if s["is_processing"]]
-    assert len(busy) == 1 and not busy[0]["is_preempted"]
+    assert len(busy) == 1
+    assert not busy[0]["is_preempted"]
 
     ta.join(120)
-    assert results["a"].ok and results["a"].n_predicted == a_tokens
+    assert results["a"].ok
+    assert results["a"].n_predicted == a_tokens
     after = complete(srv.url, PROMPTS[2], 16)
-    assert after.ok and after.n_predicted == 16
+    assert after.ok
+    assert after.n_predicted == 16
     m = wait_settled(srv.url)
     assert m["n_resume_total"] + m["preempt_dropped_total"] == m["n_preempt_total"]
     assert m["preempt_ram_bytes"] == 0
@@ -311,7 +327,8 @@ def test_real_overflows_get_the_context_error(start_server: StartServer) -> None
 
     # a prompt larger than the pool
     big = complete(srv.url, token_prompt(300, 5), 8, stream=False)
-    assert big.status == 400 and big.error is not None
+    assert big.status == 400
+    assert big.error is not None
     assert big.error["type"] == "exceed_context_size_error", big.error
 
     # an n_cmpl > 1 family shares its prompt's cells: it is never parked, alone it overflows
@@ -334,7 +351,8 @@ def test_real_overflows_get_the_context_error(start_server: StartServer) -> None
     assert m["n_preempt_total"] == 0
     assert not preempt_log_lines(srv.log_text())
     after = complete(srv.url, PROMPTS[1], 16)
-    assert after.ok and after.n_predicted == 16
+    assert after.ok
+    assert after.n_predicted == 16
 
 
 # 9 ---------------------------------------------------------------------------------------------
@@ -438,14 +456,16 @@ def check_soak(
             continue
         if fits_alone:
             assert c.ok, (plan, c.status, c.error)
-            assert c.final is not None and c.final["tokens_evaluated"] == plan["prompt_len"]
+            assert c.final is not None
+            assert c.final["tokens_evaluated"] == plan["prompt_len"]
             # without context shift a slot stops when its cells reach its context (the pool)
             assert c.n_predicted == min(plan["n_predict"], n_ctx - plan["prompt_len"]), (
                 plan,
                 c.final,
             )
         else:
-            assert c.status == 400 and c.error is not None, (plan, c.status, c.error)
+            assert c.status == 400, (plan, c.status, c.error)
+            assert c.error is not None, (plan, c.status, c.error)
             assert c.error["type"] == "exceed_context_size_error"
     m = wait_settled(srv_url, timeout=60)
     assert m["requests_preempted"] == 0

@@ -98,7 +98,8 @@ def test_forced_parks_are_announced_and_change_no_data(start_server: StartServer
     assert assert_paired(got) >= 6
     assert all(index is None for _, index in notices(got))  # one prompt: the bare form
     assert data_payloads(got) == data_payloads(ref)
-    assert got.tokens() == ref.tokens() and len(got.tokens()) == 64
+    assert got.tokens() == ref.tokens()
+    assert len(got.tokens()) == 64
 
     chat = {
         "messages": [{"role": "user", "content": "tell me a story"}],
@@ -113,8 +114,10 @@ def test_forced_parks_are_announced_and_change_no_data(start_server: StartServer
     got_chat = stream_sse(f"{forced.url}/v1/chat/completions", chat)
     assert ref_chat.status == got_chat.status == 200
     assert assert_paired(got_chat) >= 6
-    assert got_chat.content() == ref_chat.content() and got_chat.content()
-    assert got_chat.done and got_chat.lines[-1][1] == "data: [DONE]"
+    assert got_chat.content() == ref_chat.content()
+    assert got_chat.content()
+    assert got_chat.done
+    assert got_chat.lines[-1][1] == "data: [DONE]"
 
 
 # 2 ---------------------------------------------------------------------------------------------
@@ -129,7 +132,8 @@ def test_non_streaming_requests_see_no_comment(start_server: StartServer) -> Non
     ref = httpx.post(f"{plain.url}/completion", json=body, timeout=60)
     got = httpx.post(f"{forced.url}/completion", json=body, timeout=60)
     assert got.status_code == 200
-    assert not got.text.startswith(":") and "\n:" not in got.text
+    assert not got.text.startswith(":")
+    assert "\n:" not in got.text
     g, r = got.json(), ref.json()
     assert g["preempt"]["parks"] >= 6
     assert (g["content"], g["tokens"]) == (r["content"], r["tokens"])
@@ -172,7 +176,8 @@ def test_parked_stream_says_so_with_keepalives(start_server: StartServer, slow_m
     assert a.status == b.status == 200
     assert not notices(a), "the leader is never parked"
     assert assert_paired(b) >= 1
-    assert len(b.tokens()) == b_tokens and b.done is False  # /completion ends without [DONE]
+    assert len(b.tokens()) == b_tokens
+    assert b.done is False
     gaps = keepalive_gaps(b)
     assert gaps, "a park of several seconds carried no keepalive"
     assert max(gaps) <= 2 + 1, gaps
@@ -271,7 +276,8 @@ def test_multi_prompt_notices_name_the_prompt(start_server: StartServer) -> None
     log = stream_sse(f"{srv.url}/completion", body)
     assert log.status == 200
     found = notices(log)
-    assert found and all(index in (0, 1) for _, index in found), found
+    assert found, found
+    assert all(index in (0, 1) for _, index in found), found
     assert {index for _, index in found} == {0, 1}
     for _, line in log.comments:
         if line.startswith(": preempted") or line.startswith(": resumed"):

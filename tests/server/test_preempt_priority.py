@@ -95,14 +95,17 @@ def test_only_low_priority_requests_are_parked(start_server: StartServer, slow_m
     for got, prompt in [(high, high_prompt), *zip(results["low"], low_prompts, strict=True)]:
         ref = solo[tuple(prompt)]
         assert got.ok, got.error
-        assert got.tokens == ref.tokens and len(got.tokens) == n
+        assert got.tokens == ref.tokens
+        assert len(got.tokens) == n
     m = wait_settled(srv.url)
     assert m["n_preempt_priority_high_total"] == 0
     assert m["n_preempt_priority_low_total"] == m["n_preempt_total"] >= 1
-    assert m["requests_preempted"] == 0 and m["n_resume_total"] == m["n_preempt_total"]
+    assert m["requests_preempted"] == 0
+    assert m["n_resume_total"] == m["n_preempt_total"]
     assert any(s.get("priority") == HIGH for s in slots(srv.url)), slots(srv.url)
     # the KV gauges a load balancer reads (the sidecar's --ready-min-free-kv): all free again
-    assert m["kv_cells_total"] == 512 and m["kv_cells_used"] == 0, m
+    assert m["kv_cells_total"] == 512, m
+    assert m["kv_cells_used"] == 0, m
 
 
 def test_forced_parks_with_a_priority_change_nothing(start_server: StartServer) -> None:
@@ -112,8 +115,10 @@ def test_forced_parks_with_a_priority_change_nothing(start_server: StartServer) 
     prompt = robust_prompts(plain.url, 1, 8, 64)[0]
     ref = complete(plain.url, prompt, 64)
     got = complete(forced.url, prompt, 64, priority=HIGH)
-    assert ref.ok and got.ok, (ref.error, got.error)
-    assert got.tokens == ref.tokens and got.content == ref.content
+    assert ref.ok, (ref.error, got.error)
+    assert got.ok, (ref.error, got.error)
+    assert got.tokens == ref.tokens
+    assert got.content == ref.content
     assert got.preempt["parks"] >= 6
     assert metrics(forced.url)["n_preempt_priority_high_total"] >= 6
 
@@ -156,11 +161,13 @@ def test_a_starving_low_priority_request_still_finishes(
     for th in loaders:
         th.join(300)
 
-    assert low and low[0].ok, low[0].error if low else "the low-priority request never finished"
+    assert low, "the low-priority request never finished"
+    assert low[0].ok, low[0].error
     assert still_loaded, "the high-priority load ended before the low request finished"
     assert low[0].preempt["parks"] >= 1, "the high-priority load never parked the low request"
     assert low[0].tokens == solo.tokens
     assert all(h.ok for h in highs), [h.error for h in highs if not h.ok]
     assert time.monotonic() - t0 < 240
     m = wait_settled(srv.url)
-    assert m["requests_preempted"] == 0 and m["n_resume_total"] == m["n_preempt_total"]
+    assert m["requests_preempted"] == 0
+    assert m["n_resume_total"] == m["n_preempt_total"]

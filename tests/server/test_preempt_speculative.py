@@ -54,8 +54,10 @@ def test_forced_parks_with_a_draft_model_change_nothing(start_server: StartServe
     got = complete(forced.url, prompt, 64)
 
     assert_same(got, ref, 64)
-    assert drafted(ref) > 0 and drafted(got) > 0, "speculative decoding was not active"
-    assert got.preempt["parks"] >= 6 and got.preempt["recomputes"] == 0, got.preempt
+    assert drafted(ref) > 0, "speculative decoding was not active"
+    assert drafted(got) > 0, "speculative decoding was not active"
+    assert got.preempt["parks"] >= 6, got.preempt
+    assert got.preempt["recomputes"] == 0, got.preempt
     assert_settled(forced.url)
 
 

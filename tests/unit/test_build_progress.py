@@ -96,7 +96,8 @@ def test_one_progress_line_and_the_full_log_in_the_cache(tmp_path: Path) -> None
     proc = build(checkout(tmp_path), cache, standin_tree(tmp_path))
     assert proc.returncode == 0, proc.stderr
     binary = Path(proc.stdout.strip())
-    assert binary.is_file() and binary.parent.parent == cache / "bin"
+    assert binary.is_file()
+    assert binary.parent.parent == cache / "bin"
     assert "Building C object" not in proc.stderr  # no compiler lines on the terminal
     # The progress line, printed although the log had no percentage at the first look.
     assert re.search(r"compiling patched llama-server: +\d+%  0m0\ds elapsed", proc.stderr), (
@@ -105,7 +106,8 @@ def test_one_progress_line_and_the_full_log_in_the_cache(tmp_path: Path) -> None
     assert re.search(r"compiled in \dm\d\ds", proc.stderr), proc.stderr
     assert "Building C object" in (binary.parent / "build.log").read_text()
     logs = list((cache / "work").glob("*/build-patched.log"))
-    assert len(logs) == 1 and "Linking C executable bin/llama-server" in logs[0].read_text()
+    assert len(logs) == 1
+    assert "Linking C executable bin/llama-server" in logs[0].read_text()
 
 
 def test_failure_shows_the_error_and_the_log_tail(tmp_path: Path) -> None:
@@ -118,7 +120,8 @@ def test_failure_shows_the_error_and_the_log_tail(tmp_path: Path) -> None:
     assert "retrun" in proc.stderr  # the compiler's own message, with the offending line
     assert "---- last lines of" in proc.stderr
     m = re.search(r"full log: (\S+)\)", proc.stderr)
-    assert m and "retrun" in Path(m.group(1)).read_text()
+    assert m
+    assert "retrun" in Path(m.group(1)).read_text()
 
 
 def test_stock_after_patched_reuses_every_untouched_object(tmp_path: Path) -> None:

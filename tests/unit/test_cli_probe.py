@@ -66,11 +66,14 @@ def test_build_body_per_dialect() -> None:
     o = ProbeOptions(url="x", max_tokens=7, prompt="hi", extra={"temperature": 0})
     chat_body = build_body("http://h/v1/chat/completions", o)
     assert chat_body["messages"] == [{"role": "user", "content": "hi"}]
-    assert chat_body["max_tokens"] == 7 and chat_body["stream"] and chat_body["ignore_eos"]
+    assert chat_body["max_tokens"] == 7
+    assert chat_body["stream"]
+    assert chat_body["ignore_eos"]
     assert chat_body["temperature"] == 0
     assert build_body("http://h/v1/completions", o)["max_tokens"] == 7
     native = build_body("http://h/completion", o)
-    assert native["n_predict"] == 7 and native["prompt"] == "hi"
+    assert native["n_predict"] == 7
+    assert native["prompt"] == "hi"
     no_eos = ProbeOptions("x", ignore_eos=False)
     assert "ignore_eos" not in build_body("http://h/completion", no_eos)
 
@@ -87,7 +90,8 @@ def test_summarize_counts_notices_and_silence() -> None:
     s = summarize(parked_stream())
     assert s.outcome == "done"
     assert (s.parks, s.resumes, s.recomputes) == (1, 1, 0)
-    assert s.keepalives == 3 and s.pings == 1
+    assert s.keepalives == 3
+    assert s.pings == 1
     assert s.tokens == 4
     assert s.park_spans == [(0.30, 2.80)]
     assert s.parked_s == pytest.approx(2.5)
@@ -107,19 +111,22 @@ def test_summarize_indexed_notices_recompute_and_unpaired_park() -> None:
 
 def test_summarize_errors() -> None:
     s = summarize(StreamRecord(0, 0.0, 0.01, 0.02, 503, [(0.01, '{"error": "loading"}')]))
-    assert s.outcome == "error" and "503" in (s.error or "")
+    assert s.outcome == "error"
+    assert "503" in (s.error or "")
     s = summarize(StreamRecord(0, 0.0, 0.01, 0.5, 200, [(0.1, chat("a"))], error="ReadError"))
     assert s.outcome == "error"
     ev = 'data: {"error": {"code": 500, "message": "context full"}}'
     s = summarize(StreamRecord(0, 0.0, 0.01, 0.5, 200, [(0.1, ev)]))
-    assert s.outcome == "error" and s.error == "context full"
+    assert s.outcome == "error"
+    assert s.error == "context full"
 
 
 def test_token_count_comes_from_the_server_when_it_says() -> None:
     final = 'data: {"choices": [{"delta": {}}], "timings": {"predicted_n": 5}}'
     lines = [(0.1, chat("a")), (0.2, chat("b")), (0.3, final), (0.3, "data: [DONE]")]
     s = summarize(StreamRecord(0, 0.0, 0.05, 0.35, 200, lines))
-    assert s.tokens == 5 and s.outcome == "done"
+    assert s.tokens == 5
+    assert s.outcome == "done"
 
 
 def test_native_completion_stream() -> None:
@@ -127,7 +134,8 @@ def test_native_completion_stream() -> None:
              (0.2, 'data: {"content": "b", "stop": false}'),
              (0.3, 'data: {"content": "", "stop": true, "timings": {}}')]  # fmt: skip
     s = summarize(StreamRecord(0, 0.0, 0.05, 0.35, 200, lines))
-    assert s.outcome == "done" and s.tokens == 2
+    assert s.outcome == "done"
+    assert s.tokens == 2
 
 
 def test_table_and_json() -> None:
@@ -139,7 +147,8 @@ def test_table_and_json() -> None:
     assert "2/2 done" in text.splitlines()[-1]
     doc = to_json(ProbeOptions(url="http://h:1"), recs, sums)
     json.dumps(doc)
-    assert doc["totals"]["parks"] == 2 and doc["totals"]["keepalives"] == 6
+    assert doc["totals"]["parks"] == 2
+    assert doc["totals"]["keepalives"] == 6
     assert doc["streams"][0]["lines"][2] == {"t": 0.3, "text": ": preempted"}
 
 

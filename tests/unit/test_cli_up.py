@@ -24,7 +24,9 @@ def opt(argv: list[str], name: str) -> str:
 def test_server_argv_defaults() -> None:
     argv = server_argv(cfg())
     assert argv[0] == "/bin/llama-server"
-    assert "--kv-unified" in argv and "--metrics" in argv and "--slots" in argv
+    assert "--kv-unified" in argv
+    assert "--metrics" in argv
+    assert "--slots" in argv
     assert opt(argv, "--parallel") == "4"
     assert opt(argv, "-c") == str(4 * 4096)
     assert opt(argv, "--preempt-ram") == "4096"

@@ -26,7 +26,7 @@ def test_parse_hostport(text: str, expected: tuple[str, int]) -> None:
 
 @pytest.mark.parametrize("text", ["8081", "host:", "host:x", "host:70000", ""])
 def test_parse_hostport_rejects(text: str) -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="expected HOST:PORT"):
         parse_hostport(text)
 
 
@@ -67,8 +67,11 @@ def test_from_env() -> None:
     }
     c = Config.from_env(env, idle_keepalive=5.0)
     assert c.upstream == "http://10.0.0.2:8080"
-    assert c.park_keepalive == 0.5 and c.idle_keepalive == 5.0
-    assert c.max_body == 1000 and c.early_open_after == 3.0 and c.api_key == "k"
+    assert c.park_keepalive == 0.5
+    assert c.idle_keepalive == 5.0
+    assert c.max_body == 1000
+    assert c.early_open_after == 3.0
+    assert c.api_key == "k"
     assert c.metrics_listen is None
 
 
@@ -78,12 +81,16 @@ def test_from_env_bad_number() -> None:
 
 
 @pytest.mark.parametrize(
-    "changes",
-    [{"park_keepalive": 0}, {"idle_keepalive": -1}, {"early_open_after": 0},
-     {"upstream_client": "curl"}, {"listen": "nope"}, {"upstream": "ftp://x"}],
+    ("changes", "message"),
+    [({"park_keepalive": 0}, "park_keepalive must be positive"),
+     ({"idle_keepalive": -1}, "idle_keepalive must be positive"),
+     ({"early_open_after": 0}, "early_open_after must be positive"),
+     ({"upstream_max_idle": -1}, "upstream_max_idle must not be negative"),
+     ({"listen": "nope"}, "expected HOST:PORT"),
+     ({"upstream": "ftp://x"}, "upstream must be an http:// URL")],
 )  # fmt: skip
-def test_validation(changes: dict[str, object]) -> None:
-    with pytest.raises(ValueError):
+def test_validation(changes: dict[str, object], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         Config(**changes)  # type: ignore[arg-type]
 
 
@@ -140,7 +147,6 @@ SAMPLES: dict[str, object] = {
     "keepalive_timeout": 11.0,
     "connect_timeout": 1.5,
     "upstream_head_timeout": 30.0,
-    "upstream_client": "httpx",
     "upstream_max_idle": 3,
     "ready_poll": 0.5,
     "ready_min_free_kv": 0.25,
@@ -201,7 +207,8 @@ def test_proxy_help_lists_every_flag_and_variable() -> None:
     result = CliRunner().invoke(app, ["proxy", "--help"], env={"COLUMNS": "300"})
     assert result.exit_code == 0
     for o in OPTIONS:
-        assert o.flag in result.output and o.env in result.output, o.name
+        assert o.flag in result.output, o.name
+        assert o.env in result.output, o.name
 
 
 def test_bad_flag_value_names_the_option(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -61,7 +61,8 @@ def test_early_open_reason() -> None:
     p = KeepalivePolicy(1.0, 2.0, clock())
     clock.t += 2
     ka = p.due(clock(), parked=False, at_boundary=True, early_open=True)
-    assert ka is not None and ka.reason is Reason.EARLY_OPEN
+    assert ka is not None
+    assert ka.reason is Reason.EARLY_OPEN
 
 
 def test_longest_silence() -> None:
@@ -87,7 +88,7 @@ def test_lead_makes_it_due_early() -> None:
 
 
 def test_rejects_bad_intervals() -> None:
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="intervals must be positive"):
         KeepalivePolicy(0, 10, 0.0)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="lead must be a fraction"):
         KeepalivePolicy(1, 10, 0.0, lead=1.0)

@@ -41,7 +41,8 @@ def write_header_only(path: Path, template: str | None) -> Path:
 
 def test_default_is_a_chat_model_and_gemma_stays_reachable() -> None:
     assert DEFAULT_MODEL == "smollm2"
-    assert "Instruct" in MODELS[DEFAULT_MODEL].summary and "chat" in MODELS[DEFAULT_MODEL].summary
+    assert "Instruct" in MODELS[DEFAULT_MODEL].summary
+    assert "chat" in MODELS[DEFAULT_MODEL].summary
     assert MODELS["gemma"].server_args == GEMMA_SERVER_ARGS
 
 
@@ -76,9 +77,11 @@ def test_describe_model_says_whether_there_is_a_chat_template(tmp_path: Path) ->
     with_t = write_header_only(tmp_path / "with.gguf", TEMPLATE)
     without = write_header_only(tmp_path / "without.gguf", None)
     name, template = describe_model(with_t)
-    assert name == "with.gguf (header only)" and template.startswith("yes")
+    assert name == "with.gguf (header only)"
+    assert template.startswith("yes")
     _, template = describe_model(without)
-    assert template.startswith("none") and "--chat-template" in template
+    assert template.startswith("none")
+    assert "--chat-template" in template
     _, template = describe_model(without, ("-t", "1", "--chat-template", "gemma"))
     assert template == "gemma (set by --chat-template)"
     # The generated test models carry no template either.
@@ -93,4 +96,5 @@ def test_up_help_lists_the_named_models() -> None:
         assert name in result.output
     assert "smollm2 (default)" in result.output
     result = CliRunner().invoke(app, ["model", "--help"], terminal_width=300)
-    assert "smollm2" in result.output and "gemma" in result.output
+    assert "smollm2" in result.output
+    assert "gemma" in result.output

@@ -69,7 +69,8 @@ def test_active_only_with_a_rule() -> None:
 )  # fmt: skip
 def test_with_priority_sets_the_field(body: bytes, priority: int, want: dict[str, object]) -> None:
     out = with_priority(body, priority)
-    assert out is not None and json.loads(out) == want
+    assert out is not None
+    assert json.loads(out) == want
 
 
 @pytest.mark.parametrize(

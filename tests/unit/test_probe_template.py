@@ -79,7 +79,8 @@ def test_no_template_bare_url_probes_completion_and_says_why(fake: FakeServer) -
     fake.template = FALLBACK_CHATML
     code, _, err = probe(url_of(fake))
     assert code == 0, err
-    assert "no chat template" in err and "/completion instead" in err
+    assert "no chat template" in err
+    assert "/completion instead" in err
     assert fake.paths == ["/completion"]
 
 
@@ -87,7 +88,8 @@ def test_no_template_explicit_chat_endpoint_warns_and_runs_it(fake: FakeServer) 
     fake.template = FALLBACK_CHATML
     code, _, err = probe(url_of(fake) + "/v1/chat/completions")
     assert code == 0, err
-    assert "warning" in err and "no chat template" in err
+    assert "warning" in err
+    assert "no chat template" in err
     assert fake.paths == ["/v1/chat/completions"]
 
 

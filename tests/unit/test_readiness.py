@@ -52,14 +52,17 @@ def test_verdict_from_one_reading(reading: str, min_free: float, ready: bool, re
 
 def test_fails_safe_before_the_first_reading_after_a_failure_and_when_stale() -> None:
     r = Readiness(0.5)
-    assert not r.verdict(0.0).ready and "no reading" in r.verdict(0.0).reason
+    assert not r.verdict(0.0).ready
+    assert "no reading" in r.verdict(0.0).reason
     r.observe(text(parked=0), now=1.0)
     assert r.verdict(1.0).ready
     assert r.verdict(2.5).ready  # three intervals: still fresh
     stale = r.verdict(2.6)
-    assert not stale.ready and "old" in stale.reason
+    assert not stale.ready
+    assert "old" in stale.reason
     r.failed("ConnectError", now=3.0)
-    assert not r.verdict(3.0).ready and "ConnectError" in r.verdict(3.0).reason
+    assert not r.verdict(3.0).ready
+    assert "ConnectError" in r.verdict(3.0).reason
     r.observe(text(parked=0), now=3.5)
     assert r.verdict(3.5).ready
 
@@ -76,7 +79,12 @@ def test_off_is_never_ready() -> None:
     assert r.verdict(5.0) == Verdict(False, "readiness is off (--ready-poll 0)")
 
 
-@pytest.mark.parametrize(("poll", "share"), [(-1.0, 0.0), (1.0, 1.0), (1.0, -0.1)])
-def test_rejects_settings_it_cannot_take(poll: float, share: float) -> None:
-    with pytest.raises(ValueError):
+@pytest.mark.parametrize(
+    ("poll", "share", "message"),
+    [(-1.0, 0.0, "poll_interval must not be negative"),
+     (1.0, 1.0, "min_free_kv is a share of the pool"),
+     (1.0, -0.1, "min_free_kv is a share of the pool")],
+)  # fmt: skip
+def test_rejects_settings_it_cannot_take(poll: float, share: float, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
         Readiness(poll, share)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import anyio
+import anyio.lowlevel
 import httpx
 import pytest
 
@@ -18,7 +19,7 @@ GOOD = f"{PARKED} 0\n".encode()
 async def endless() -> AsyncIterator[bytes]:
     while True:
         yield GOOD * 1024
-        await anyio.sleep(0)  # a checkpoint, so that a test that waits too long can fail
+        await anyio.lowlevel.checkpoint()  # so that a test that waits too long can fail
 
 
 async def one_poll(handler: httpx.MockTransport) -> Readiness:
