@@ -364,23 +364,10 @@ class _BodySink:
             return
         if self.error is not None:
             return
-        framing = self._framing
-        if framing is Framing.CHUNKED:
-            self._feed_chunked(data)
+        if self._framing is not Framing.CHUNKED:
+            self._feed_counted(data)
             return
-        if framing is Framing.LENGTH:
-            if len(data) >= self._remaining:
-                self.overrun = len(data) > self._remaining
-                data = data[: self._remaining]
-                self._remaining = 0
-                self.finished = True
-            else:
-                self._remaining -= len(data)
-        self._pass(data, None)
-        if self.finished:
-            self._wake()
-
-    def _feed_chunked(self, data: bytes) -> None:
+        # Chunked (every llama-server stream): the hot path, kept in one function.
         decoder = self._decoder
         wire: bytes | None = None
         out = b""
@@ -408,10 +395,33 @@ class _BodySink:
                     self._deliver(good, None)
             self._fail(UpstreamProtocolError(f"bad chunked body from upstream: {exc}"))
             return
-        self._pass(out, wire)
+        if out:
+            try:
+                backed_up = self._deliver(out, wire)
+            except Exception as exc:
+                self._fail(exc)
+                return
+            if backed_up:
+                self.blocked = True
+                self._stream.pause_reading()
+                self._wake()
         if decoder.done:
             self.finished = True
             self.overrun = bool(decoder.leftover)
+            self._wake()
+
+    def _feed_counted(self, data: bytes) -> None:
+        """A ``Content-Length`` body, or one that ends when the connection closes."""
+        if self._framing is Framing.LENGTH:
+            if len(data) >= self._remaining:
+                self.overrun = len(data) > self._remaining
+                data = data[: self._remaining]
+                self._remaining = 0
+                self.finished = True
+            else:
+                self._remaining -= len(data)
+        self._pass(data, None)
+        if self.finished:
             self._wake()
 
     def _pass(self, data: bytes, wire: bytes | None) -> None:
