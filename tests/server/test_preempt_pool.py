@@ -35,7 +35,7 @@ pytestmark = [pytest.mark.server]
 NEW_BLOCK_LINE = "preempt: host pool: new "
 POOL_FAILED_LINE = "preempt: host pool allocation of "
 RETURNED_LINE = "preempt: host pool: "  # "... MiB returned to the OS (...)"
-HELD_RE = re.compile(r"host pool: new \w+ block of ([0-9.]+) MiB, held ([0-9.]+) MiB of ([0-9.]+) MiB")
+HELD_RE = re.compile(r"host pool: (?:new|grown) \w+ block of ([0-9.]+) MiB, held ([0-9.]+) MiB of ([0-9.]+) MiB")
 
 KV_TYPES = {
     "f16": ["-ctk", "f16", "-ctv", "f16"],
@@ -180,3 +180,23 @@ def test_failed_pool_allocation_parks_by_recompute(start_server: StartServer) ->
     assert NEW_BLOCK_LINE not in log
     m = assert_settled(srv.url)
     assert m["preempt_recompute_total"] == m["n_preempt_total"] >= 6
+
+
+@pytest.mark.slow
+def test_a_growing_state_grows_its_block(start_server: StartServer, slow_model: Path) -> None:
+    # slow model, ~24 KiB per cell: parked every 8 tokens from 72 to 128 cells, the state outgrows
+    # its first block (1.7 MiB + 1/8 -> 2 MiB); the cached block grows instead of a new one
+    args = [*BASE, *PARK, "-c", "512", "-np", "2"]
+    plain = start_server(model=slow_model, args=args)
+    forced = start_server(model=slow_model, args=args, env={"LLAMA_SERVER_PREEMPT_EVERY": "8"})
+    prompt = robust_prompts(plain.url, 1, 64, 64)[0]
+
+    ref = complete(plain.url, prompt, 64)
+    got = complete(forced.url, prompt, 64)
+
+    assert_same(got, ref, 64)
+    assert got.preempt["parks"] >= 6 and got.preempt["recomputes"] == 0, got.preempt
+    log = forced.log_text()
+    assert log.count(NEW_BLOCK_LINE) == 1, [ln for ln in log.splitlines() if "host pool" in ln]
+    assert "preempt: host pool: grown plain block of " in log
+    assert_settled(forced.url)
