@@ -214,16 +214,20 @@ WIDE = {"n_embd": 64, "n_layer": 128, "n_head": 16, "head_dim": 256, "n_ff": 128
 
 
 def wide_model() -> Path:
-    # the generated models' vocabulary (sidecar.tinymodel; repoint this one import if it moves)
-    from sidecar.tinymodel import _vocab, add_vocab
-
     import gguf
     import numpy as np
 
+    # the generated models' vocabulary (sidecar.tinymodel; repoint this one import if it moves)
+    from sidecar.tinymodel import _vocab, add_vocab
+
     w_ = WIDE
-    path = cache_dir() / "models" / (
-        f"llama-sidecar-widekv-s{w_['seed']}-d{w_['n_embd']}x{w_['n_layer']}"
-        f"-h{w_['n_head']}x{w_['head_dim']}.gguf"
+    path = (
+        cache_dir()
+        / "models"
+        / (
+            f"llama-sidecar-widekv-s{w_['seed']}-d{w_['n_embd']}x{w_['n_layer']}"
+            f"-h{w_['n_head']}x{w_['head_dim']}.gguf"
+        )
     )
     if path.exists():
         return path
@@ -307,7 +311,9 @@ def swap_case(
     srv.stop()
     parks = [(float(x), float(y)) for x, y in PARK_RE.findall(log)]
     resumes = [(float(x), float(y)) for x, y in RESUME_RE.findall(log)]
-    gaps = [t1 - t0 for t0, t1 in zip(a.t_events[1:], a.t_events[2:])]  # after A's first token
+    gaps = [
+        t1 - t0 for t0, t1 in zip(a.t_events[1:], a.t_events[2:], strict=False)
+    ]  # after A's first token
     return {
         "parks": parks,
         "resumes": resumes,
@@ -337,28 +343,28 @@ def bench_swap(servers: Servers, before: Path | None) -> dict[str, Any]:
             sizes = [mib for mib, _ in r["parks"]]
             park = [mib / (ms / 1e3) for mib, ms in r["parks"]]
             rest = [mib / (ms / 1e3) for mib, ms in r["resumes"]]
-            case[label] = {
-                "state_mib": statistics.median(sizes),
+            mib = statistics.median(sizes)
+            # the memcpy reference right after this build's run, so that both see the same load
+            rep = 5 if mib < 256 else 2
+            warm, cold = memcpy_mib_s(mib, repeat=rep), memcpy_mib_s(mib, repeat=rep, cold=True)
+            c = case[label] = {
+                "state_mib": mib,
                 "park_first_mib_s": park[0],
                 "park_mib_s": statistics.median(park[1:]),
                 "restore_mib_s": statistics.median(rest),
+                "memcpy_warm_mib_s": warm,
+                "memcpy_cold_mib_s": cold,
                 "stall_steps": r["stall_steps"],
                 "a_step_median_ms": 1e3 * statistics.median(r["a_gaps_s"]),
                 "a_gap_max_ms": 1e3 * max(r["a_gaps_s"]),
+                "loadavg_1m": os.getloadavg()[0],
                 "raw": r,
             }
-            print(name, label, {k: v for k, v in case[label].items() if k != "raw"}, flush=True)
-        mib = statistics.median([c["state_mib"] for c in case.values()])
-        rep = 5 if mib < 256 else 2
-        case["memcpy_warm_mib_s"] = memcpy_mib_s(mib, repeat=rep)
-        case["memcpy_cold_mib_s"] = memcpy_mib_s(mib, repeat=rep, cold=True)
-        for label, _ in builds:
-            c = case[label]
             for k in ("park_first_mib_s", "park_mib_s", "restore_mib_s"):
-                c[k.replace("_mib_s", "_over_warm")] = c[k] / case["memcpy_warm_mib_s"]
-                c[k.replace("_mib_s", "_over_cold")] = c[k] / case["memcpy_cold_mib_s"]
+                c[k.replace("_mib_s", "_over_warm")] = c[k] / warm
+                c[k.replace("_mib_s", "_over_cold")] = c[k] / cold
+            print(name, label, {k: v for k, v in c.items() if k != "raw"}, flush=True)
         out["cases"][name] = case
-        print(name, "memcpy", case["memcpy_warm_mib_s"], case["memcpy_cold_mib_s"], flush=True)
     out["load_after"] = os.getloadavg()
     return out
 
@@ -366,9 +372,9 @@ def bench_swap(servers: Servers, before: Path | None) -> dict[str, Any]:
 def swap_table(res: dict[str, Any]) -> str:
     """docs/benchmarks.md rows: ratios to a warm (cold) memcpy, before -> after."""
     rows = [
-        "| state | park vs memcpy warm (cold) | first park (new block) | restore vs memcpy warm "
-        "| resident stall (max gap / median step) |",
-        "|---|---|---|---|---|",
+        "| state | park vs memcpy warm (cold) | first park (new block) vs warm "
+        "| restore vs memcpy warm | resident stall (max gap / median step) | load (1 min) |",
+        "|---|---|---|---|---|---|",
     ]
     for name, case in res["cases"].items():
         b, a = case.get("before"), case["after"]
@@ -381,7 +387,8 @@ def swap_table(res: dict[str, Any]) -> str:
             f"| {pair('park_over_warm')} ({pair('park_over_cold')}) "
             f"| {pair('park_first_over_warm')} "
             f"| {pair('restore_over_warm')} "
-            f"| {pair('stall_steps', '{:.1f}')} |"
+            f"| {pair('stall_steps', '{:.1f}')} "
+            f"| {pair('loadavg_1m', '{:.1f}')} |"
         )
     return "\n".join(rows)
 

@@ -35,7 +35,9 @@ pytestmark = [pytest.mark.server]
 NEW_BLOCK_LINE = "preempt: host pool: new "
 POOL_FAILED_LINE = "preempt: host pool allocation of "
 RETURNED_LINE = "preempt: host pool: "  # "... MiB returned to the OS (...)"
-HELD_RE = re.compile(r"host pool: (?:new|grown) \w+ block of ([0-9.]+) MiB, held ([0-9.]+) MiB of ([0-9.]+) MiB")
+HELD_RE = re.compile(
+    r"host pool: (?:new|grown) \w+ block of ([0-9.]+) MiB, held ([0-9.]+) MiB of ([0-9.]+) MiB"
+)
 
 KV_TYPES = {
     "f16": ["-ctk", "f16", "-ctv", "f16"],
@@ -158,7 +160,7 @@ def test_pool_stays_within_preempt_ram(start_server: StartServer, slow_model: Pa
     assert m["preempt_pool_bytes"] == 0
     assert "returned to the OS (no request running)" in srv.log_text()
     # the blocks went back to the OS, not to a heap that keeps them
-    assert rss_bytes(pid) - rss_base <= 1024 * 1024, (rss_bytes(pid) - rss_base)
+    assert rss_bytes(pid) - rss_base <= 1024 * 1024, rss_bytes(pid) - rss_base
 
 
 def test_failed_pool_allocation_parks_by_recompute(start_server: StartServer) -> None:
@@ -176,7 +178,8 @@ def test_failed_pool_allocation_parks_by_recompute(start_server: StartServer) ->
     assert "LLAMA_SERVER_PREEMPT_FAIL_POOL = 1" in log
     failed = [ln for ln in log.splitlines() if POOL_FAILED_LINE in ln]
     assert len(failed) == got.preempt["parks"], failed
-    assert all("failed (LLAMA_SERVER_PREEMPT_FAIL_POOL), parking by recompute" in ln for ln in failed)
+    why = "failed (LLAMA_SERVER_PREEMPT_FAIL_POOL), parking by recompute"
+    assert all(why in ln for ln in failed)
     assert NEW_BLOCK_LINE not in log
     m = assert_settled(srv.url)
     assert m["preempt_recompute_total"] == m["n_preempt_total"] >= 6
