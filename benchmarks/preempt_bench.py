@@ -184,6 +184,10 @@ def bench_overload(servers: Servers, model: Path, n_predict: int) -> dict[str, A
 
 PARK_RE = re.compile(r"state ([0-9.]+) MiB saved to host RAM in ([0-9.]+) ms")
 RESUME_RE = re.compile(r"state ([0-9.]+) MiB restored in ([0-9.]+) ms")
+# patch 0006 and later: where a park's time went
+BREAKDOWN_RE = re.compile(
+    r"\(size ([0-9.]+) ms, block ([0-9.]+) ms, copy ([0-9.]+) ms, release ([0-9.]+) ms\)"
+)
 
 
 def memcpy_mib_s(n_mib: float, repeat: int = 5, cold: bool = False) -> float:
@@ -323,6 +327,10 @@ def swap_case(
     ]  # after A's first token
     return {
         "parks": parks,
+        "park_breakdown_ms": [
+            dict(zip(("size", "block", "copy", "release"), map(float, m), strict=True))
+            for m in BREAKDOWN_RE.findall(log)
+        ],
         "resumes": resumes,
         "a_gaps_s": gaps,
         "stall_steps": max(gaps) / statistics.median(gaps),
