@@ -8,7 +8,10 @@
              (completed, wall time, parks per chat, longest wait of any chat) vs the four solo
              runs back to back; patched outputs are compared byte for byte with the solo runs.
 3. swap:     park/restore throughput (MiB/s, from the server's own log lines, which time the
-             copy) against a host memcpy of the same sizes measured in the same run.
+             copy) against a warm and a cold host memcpy of the same sizes measured in the same
+             run, for states from ~4 MiB to ~1.1 GiB (a generated wide-KV model), and the stall a
+             resident stream feels (its longest inter-token gap across a park over its median
+             step); `--before BIN` measures a second build side by side.
 
 Figures are ratios measured side by side in one run; the machine and its load change the
 absolute numbers. The binaries come from build_llama.sh (LLAMA_SERVER_BIN and
@@ -25,6 +28,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -38,7 +42,9 @@ from tests.server.preempt_helpers import (
     metrics,
     robust_prompts,
     run_concurrently,
+    slots,
     token_prompt,
+    wait_for,
 )
 from tests.support.llama import LlamaServer
 from tests.support.tinymodel import ensure_model
@@ -67,10 +73,20 @@ class Servers:
     def start(
         self, stock: bool, model: Path, args: list[str], env: dict[str, str] | None = None
     ) -> LlamaServer:
-        log = self.workdir / f"server-{len(self.started)}-{'stock' if stock else 'patched'}.log"
-        srv = LlamaServer(binary(stock), model, args, env or {}, log_path=log)
+        return self.start_bin(binary(stock), model, args, env, "stock" if stock else "patched")
+
+    def start_bin(
+        self,
+        path: Path,
+        model: Path,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        label: str = "patched",
+    ) -> LlamaServer:
+        log = self.workdir / f"server-{len(self.started)}-{label}.log"
+        srv = LlamaServer(path, model, args, env or {}, log_path=log)
         self.started.append(srv)
-        return srv.start()
+        return srv.start(timeout=300)
 
     def stop_all(self) -> None:
         for srv in self.started:
@@ -166,62 +182,228 @@ def bench_overload(servers: Servers, model: Path, n_predict: int) -> dict[str, A
 
 PARK_RE = re.compile(r"state ([0-9.]+) MiB saved to host RAM in ([0-9.]+) ms")
 RESUME_RE = re.compile(r"state ([0-9.]+) MiB restored in ([0-9.]+) ms")
+# patch 0006 and later: where a park's time went
+BREAKDOWN_RE = re.compile(
+    r"\(size ([0-9.]+) ms, block ([0-9.]+) ms, copy ([0-9.]+) ms, release ([0-9.]+) ms\)"
+)
 
 
 def memcpy_mib_s(n_mib: float, repeat: int = 5, cold: bool = False) -> float:
-    """Best host memcpy rate for n_mib: into a warm buffer, or (cold) into a fresh allocation whose
-    pages fault in during the copy, as a park's new host buffer does."""
+    """Best host memcpy rate for n_mib: into a warm buffer, or (cold) into a fresh anonymous
+    mapping whose pages fault in during the copy, as a park's new host buffer does (a fresh mmap
+    each time: numpy's allocator would hand a freed buffer of a few MiB straight back, warm)."""
+    import mmap
+
     import numpy as np
 
     n = max(1, int(n_mib * 1024 * 1024))
     src = np.frombuffer(os.urandom(n), dtype=np.uint8).copy()
-    dst = np.empty_like(src)
-    np.copyto(dst, src)
     best = float("inf")
+    if not cold:
+        dst = np.empty_like(src)
+        np.copyto(dst, src)
     for _ in range(repeat):
         if cold:
-            dst = np.empty_like(src)
+            m = mmap.mmap(-1, n)
+            dst = np.frombuffer(m, dtype=np.uint8)
         t0 = time.perf_counter()
         np.copyto(dst, src)
         best = min(best, time.perf_counter() - t0)
+        if cold:
+            del dst
+            m.close()
     return n / (1024 * 1024) / best
 
 
-def bench_swap(
-    servers: Servers, model: Path, prompt_len: int, n_predict: int, every: int
+# A model whose KV is wide and whose compute is narrow: 128 layers of 16 heads of 256 (4096 K and
+# 4096 V values per token and layer) on a 64-wide residual stream. With F16 KV a token's state is
+# 2 MiB, so ~520 tokens reach 1 GiB while a prefill stays within a minute on one loaded core.
+# (F32 KV would halve the tokens, but the CPU flash-attention path for F32 K is ~10x slower.)
+WIDE = {"n_embd": 64, "n_layer": 128, "n_head": 16, "head_dim": 256, "n_ff": 128, "seed": 99}
+
+
+def wide_model() -> Path:
+    import gguf
+    import numpy as np
+
+    # the generated models' vocabulary
+    from tests.support.tinymodel import _vocab, add_vocab
+
+    w_ = WIDE
+    path = (
+        cache_dir()
+        / "models"
+        / (
+            f"llama-sidecar-widekv-s{w_['seed']}-d{w_['n_embd']}x{w_['n_layer']}"
+            f"-h{w_['n_head']}x{w_['head_dim']}.gguf"
+        )
+    )
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(w_["seed"])
+    d, hd, nh, ff = w_["n_embd"], w_["head_dim"], w_["n_head"], w_["n_ff"]
+    n_vocab = len(_vocab()[0])
+
+    def normal(shape: tuple[int, ...], std: float, dtype: Any = np.float16) -> Any:
+        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype)
+
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    w = gguf.GGUFWriter(str(tmp), "llama")
+    w.add_name("llama-sidecar widekv random")
+    w.add_context_length(65536)
+    w.add_embedding_length(d)
+    w.add_block_count(w_["n_layer"])
+    w.add_feed_forward_length(ff)
+    w.add_head_count(nh)
+    w.add_head_count_kv(nh)
+    w.add_key_length(hd)
+    w.add_value_length(hd)
+    w.add_rope_dimension_count(hd)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    add_vocab(w)
+    ones = np.ones(d, dtype=np.float32)
+    w.add_tensor("token_embd.weight", normal((n_vocab, d), 1.0, np.float32))
+    for i in range(w_["n_layer"]):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
+        for name in ("attn_q", "attn_k", "attn_v"):
+            w.add_tensor(f"blk.{i}.{name}.weight", normal((nh * hd, d), d**-0.5))
+        w.add_tensor(f"blk.{i}.attn_output.weight", normal((d, nh * hd), (nh * hd) ** -0.5))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", normal((ff, d), d**-0.5, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", normal((ff, d), d**-0.5, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", normal((d, ff), ff**-0.5, np.float32))
+    w.add_tensor("output_norm.weight", ones)
+    w.add_tensor("output.weight", normal((n_vocab, d), 1.0, np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    tmp.replace(path)
+    return path
+
+
+def slot_decoded(url: str) -> int:
+    return max(
+        (s["next_token"][0]["n_decoded"] for s in slots(url) if s["is_processing"]), default=0
+    )
+
+
+def swap_case(
+    servers: Servers, binary_path: Path, model: Path, extra: list[str], prompt_len: int, every: int
 ) -> dict[str, Any]:
-    srv = servers.start(
-        False,
+    """One stream B of `prompt_len` tokens parked (forced) after every `every` generated tokens,
+    three times; a second stream A, too short to be parked itself, generates across B's second
+    park (B's first park may allocate a pool block, the later ones reuse it)."""
+    n_ctx = prompt_len + 4 * every + 64
+    srv = servers.start_bin(
+        binary_path,
         model,
-        [*BASE, "-c", "4096", "-np", "2", "--preempt-ram", "-1"],
+        [*BASE, "-c", str(n_ctx), "-np", "2", "--preempt-ram", "-1", "--cache-ram", "0", *extra],
         env={"LLAMA_SERVER_PREEMPT_EVERY": str(every)},
     )
-    res = complete(srv.url, token_prompt(prompt_len, 3), n_predict)
-    assert res.ok, res.error
+    res_b: dict[str, Any] = {}
+
+    def run_b() -> None:
+        res_b["c"] = complete(srv.url, token_prompt(prompt_len, 3), 3 * every + 2, timeout=900)
+
+    tb = threading.Thread(target=run_b, daemon=True)
+    tb.start()
+    wait_for(lambda: slot_decoded(srv.url) >= every + every // 2, timeout=600, what="B's tokens")
+    a = complete(srv.url, token_prompt(8, 4), every - 1, timeout=600)
+    tb.join(900)
+    b = res_b["c"]
+    assert a.ok and b.ok, (a.error, b.error)
+    assert a.preempt["parks"] == 0 and b.preempt["parks"] == 3, (a.preempt, b.preempt)
     log = srv.log_text()
-    parks = [(float(a), float(b)) for a, b in PARK_RE.findall(log)]
-    resumes = [(float(a), float(b)) for a, b in RESUME_RE.findall(log)]
-    assert parks and resumes, "no swap in the log"
-
-    def rates(items: list[tuple[float, float]]) -> list[float]:
-        return [mib / (ms / 1e3) for mib, ms in items if ms > 0]
-
-    sizes = [mib for mib, _ in parks]
-    copy_rate = statistics.median([memcpy_mib_s(mib) for mib in sizes])
-    cold_rate = statistics.median([memcpy_mib_s(mib, cold=True) for mib in sizes])
-    park_rate = statistics.median(rates(parks))
-    resume_rate = statistics.median(rates(resumes))
+    srv.stop()
+    parks = [(float(x), float(y)) for x, y in PARK_RE.findall(log)]
+    resumes = [(float(x), float(y)) for x, y in RESUME_RE.findall(log)]
+    gaps = [
+        t1 - t0 for t0, t1 in zip(a.t_events[1:], a.t_events[2:], strict=False)
+    ]  # after A's first token
     return {
-        "n_parks": len(parks),
-        "state_mib_median": statistics.median(sizes),
-        "park_mib_s": park_rate,
-        "restore_mib_s": resume_rate,
-        "memcpy_warm_mib_s": copy_rate,
-        "memcpy_cold_mib_s": cold_rate,
-        "park_over_memcpy_warm": park_rate / copy_rate,
-        "park_over_memcpy_cold": park_rate / cold_rate,
-        "restore_over_memcpy_warm": resume_rate / copy_rate,
+        "parks": parks,
+        "park_breakdown_ms": [
+            dict(zip(("size", "block", "copy", "release"), map(float, m), strict=True))
+            for m in BREAKDOWN_RE.findall(log)
+        ],
+        "resumes": resumes,
+        "a_gaps_s": gaps,
+        "stall_steps": max(gaps) / statistics.median(gaps),
     }
+
+
+def bench_swap(servers: Servers, before: Path | None) -> dict[str, Any]:
+    """Park/restore MiB/s of the binary under test (and of `before`, side by side, same run)
+    against a host memcpy of the same sizes, from a few MiB to over 1 GiB."""
+    slow = ensure_model(cache_dir() / "models", "slow")
+    wide = wide_model()
+    cases = [
+        # name, model, extra args, prompt length, park every
+        ("slow-f16-150", slow, [], 150, 16),
+        ("slow-f16-1500", slow, [], 1500, 16),
+        ("wide-f16-112", wide, [], 112, 8),
+        ("wide-f16-520", wide, [], 520, 8),
+    ]
+    builds = [("after", binary(False))] + ([("before", before)] if before else [])
+    out: dict[str, Any] = {"load_before": os.getloadavg(), "cases": {}}
+    for name, model, extra, prompt_len, every in cases:
+        case: dict[str, Any] = {}
+        for label, path in builds:
+            r = swap_case(servers, path, model, extra, prompt_len, every)
+            sizes = [mib for mib, _ in r["parks"]]
+            park = [mib / (ms / 1e3) for mib, ms in r["parks"]]
+            rest = [mib / (ms / 1e3) for mib, ms in r["resumes"]]
+            mib = statistics.median(sizes)
+            # the memcpy reference right after this build's run, so that both see the same load
+            rep = 5 if mib < 256 else 2
+            warm, cold = memcpy_mib_s(mib, repeat=rep), memcpy_mib_s(mib, repeat=rep, cold=True)
+            c = case[label] = {
+                "state_mib": mib,
+                "park_first_mib_s": park[0],
+                "park_mib_s": statistics.median(park[1:]),
+                "restore_mib_s": statistics.median(rest),
+                "memcpy_warm_mib_s": warm,
+                "memcpy_cold_mib_s": cold,
+                "stall_steps": r["stall_steps"],
+                "a_step_median_ms": 1e3 * statistics.median(r["a_gaps_s"]),
+                "a_gap_max_ms": 1e3 * max(r["a_gaps_s"]),
+                "loadavg_1m": os.getloadavg()[0],
+                "raw": r,
+            }
+            for k in ("park_first_mib_s", "park_mib_s", "restore_mib_s"):
+                c[k.replace("_mib_s", "_over_warm")] = c[k] / warm
+                c[k.replace("_mib_s", "_over_cold")] = c[k] / cold
+            print(name, label, {k: v for k, v in c.items() if k != "raw"}, flush=True)
+        out["cases"][name] = case
+    out["load_after"] = os.getloadavg()
+    return out
+
+
+def swap_table(res: dict[str, Any]) -> str:
+    """docs/benchmarks.md rows: ratios to a warm (cold) memcpy, before -> after."""
+    rows = [
+        "| state | park vs memcpy warm (cold) | first park (new block) vs warm "
+        "| restore vs memcpy warm | resident stall (max gap / median step) | load (1 min) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, case in res["cases"].items():
+        b, a = case.get("before"), case["after"]
+
+        def pair(key: str, fmt: str = "{:.2f}", b: Any = b, a: Any = a) -> str:
+            return (fmt.format(b[key]) + " -> " if b else "") + fmt.format(a[key])
+
+        rows.append(
+            f"| {a['state_mib']:.1f} MiB ({name}) "
+            f"| {pair('park_over_warm')} ({pair('park_over_cold')}) "
+            f"| {pair('park_first_over_warm')} "
+            f"| {pair('restore_over_warm')} "
+            f"| {pair('stall_steps', '{:.1f}')} "
+            f"| {pair('loadavg_1m', '{:.1f}')} |"
+        )
+    return "\n".join(rows)
 
 
 def main() -> int:
@@ -238,6 +420,11 @@ def main() -> int:
         "--model", default="tiny", choices=["tiny", "slow"], help="model for cost and overload"
     )
     ap.add_argument("--json", type=Path, help="write the results here")
+    ap.add_argument(
+        "--before",
+        help="swap: a second llama-server (e.g. the build of main's series) measured side by side "
+        "(default: $LLAMA_SERVER_BEFORE_BIN)",
+    )
     a = ap.parse_args()
 
     only = set(a.only.split(","))
@@ -253,14 +440,9 @@ def main() -> int:
                 results["overload"] = bench_overload(servers, model, a.overload_tokens)
                 print(json.dumps({"overload": results["overload"]}, indent=1), flush=True)
             if "swap" in only:
-                results["swap"] = bench_swap(
-                    servers,
-                    ensure_model(cache_dir() / "models", "slow"),
-                    prompt_len=1500,
-                    n_predict=96,
-                    every=16,
-                )
-                print(json.dumps({"swap": results["swap"]}, indent=1), flush=True)
+                before = a.before or os.environ.get("LLAMA_SERVER_BEFORE_BIN")
+                results["swap"] = bench_swap(servers, Path(before) if before else None)
+                print(swap_table(results["swap"]), flush=True)
         finally:
             servers.stop_all()
     if a.json:

@@ -33,7 +33,8 @@ from tests.server.preempt_helpers import (
     wait_settled,
 )
 from tests.server.test_preempt_fuzz import Response, check_notices, parse_stream, post
-from tests.support.llama import ServerDied, StreamLog, stream_sse
+from tests.support.llama import ServerDied
+from tests.support.sse_client import StreamLog, stream_sse
 
 pytestmark = [pytest.mark.server]
 

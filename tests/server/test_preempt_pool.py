@@ -1,0 +1,210 @@
+"""Patch 0006: parked states live in a reused host buffer pool (issue 11).
+
+A park serializes the slot's sequence into a block of a pool owned by the preemption mechanism
+(pre-faulted, pinned on builds with a GPU device) instead of a fresh allocation; the block goes
+back to the pool on restore and to the OS when no request runs. These tests check what must not
+change (forced parks give byte-identical tokens, whatever the KV type, with or without a draft
+model), what the pool promises (reuse, never above `--preempt-ram`, nothing held once idle) and
+its failure path (a block that cannot be allocated means a recompute park, logged). No timing is
+asserted: the speed is measured by `benchmarks/preempt_bench.py --only swap`.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import StartServer
+from tests.server.preempt_helpers import (
+    BASE,
+    PARK,
+    complete,
+    complete_many,
+    metrics,
+    robust_prompts,
+    token_prompt,
+)
+from tests.server.test_preempt_kv import assert_same, assert_settled
+
+pytestmark = [pytest.mark.server]
+
+NEW_BLOCK_LINE = "preempt: host pool: new "
+POOL_FAILED_LINE = "preempt: host pool allocation of "
+RETURNED_LINE = "preempt: host pool: "  # "... MiB returned to the OS (...)"
+HELD_RE = re.compile(
+    r"host pool: (?:new|grown) \w+ block of ([0-9.]+) MiB, held ([0-9.]+) MiB of ([0-9.]+) MiB"
+)
+
+KV_TYPES = {
+    "f16": ["-ctk", "f16", "-ctv", "f16"],
+    "f32": ["-ctk", "f32", "-ctv", "f32"],
+    "q8_0": ["-ctk", "q8_0", "-ctv", "q8_0", "-fa", "on"],
+    # without flash attention the V cache is transposed: the serialization copies it row by row
+    "f16-no-fa": ["-ctk", "f16", "-ctv", "f16", "-fa", "off"],
+}
+
+
+def draft_args(model: Path) -> list[str]:
+    return ["-md", str(model), "--spec-type", "draft-simple", "--spec-draft-n-max", "4"]
+
+
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+@pytest.mark.parametrize("draft", [False, True], ids=["no-draft", "draft"])
+@pytest.mark.parametrize("kv", list(KV_TYPES))
+def test_forced_parks_through_the_pool_change_nothing(
+    start_server: StartServer, tiny_model: Path, slow_model: Path, kv: str, draft: bool
+) -> None:
+    if draft and kv == "f16-no-fa":
+        pytest.skip("the transposed V cache is covered without a draft model")
+    # q8_0 blocks are 32 wide: the tiny model's 16-wide heads cannot hold them, the slow model's can
+    model, n_predict = (slow_model, 40) if kv == "q8_0" else (tiny_model, 64)
+    args = [*BASE, *PARK, "-c", "512", "-np", "2", *KV_TYPES[kv]]
+    if draft:
+        args += draft_args(tiny_model)
+    plain = start_server(model=model, args=args)
+    forced = start_server(model=model, args=args, env={"LLAMA_SERVER_PREEMPT_EVERY": "8"})
+
+    # prompts without greedy near-ties are picked where token probabilities are reported
+    picker = plain
+    if draft:
+        picker = start_server(model=model, args=[*BASE, "-c", "512", "-np", "1", *KV_TYPES[kv]])
+    prompt = robust_prompts(picker.url, 1, 8, n_predict)[0]
+
+    ref = complete(plain.url, prompt, n_predict)
+    got = complete(forced.url, prompt, n_predict)
+
+    assert_same(got, ref, n_predict)
+    min_parks = n_predict // 8 - 2
+    assert got.preempt["parks"] >= min_parks, got.preempt
+    assert got.preempt["recomputes"] == 0, got.preempt
+    log = forced.log_text()
+    # a tiny model's state (target and draft) fits one 2 MiB block: the first park allocates it,
+    # every later park reuses it
+    assert log.count(NEW_BLOCK_LINE) == 1, [ln for ln in log.splitlines() if "host pool" in ln]
+    m = assert_settled(forced.url)
+    assert m["preempt_recompute_total"] == 0
+    assert m["preempt_pool_bytes"] == 0
+    assert RETURNED_LINE + "2.000 MiB returned to the OS (no request running)" in forced.log_text()
+
+
+@pytest.mark.slow
+def test_pool_stays_within_preempt_ram(start_server: StartServer, slow_model: Path) -> None:
+    # slow model: ~24 KiB per cell, so two ~100-cell states (~2.4 MiB each) do not fit 4 MiB;
+    # the prompt cache (--cache-ram) is off so that the process RSS measures the parked states
+    limit_mib = 4
+    limit = limit_mib * 1024 * 1024
+    srv = start_server(
+        model=slow_model,
+        args=[*BASE, "--preempt-ram", str(limit_mib), "-c", "512", "-np", "2", "--cache-ram", "0"],
+        env={"LLAMA_SERVER_PREEMPT_EVERY": "8"},
+    )
+    prompts = [token_prompt(96, 11), token_prompt(96, 12)]
+    assert srv.proc is not None
+    pid = srv.proc.pid
+
+    # the same workload once first: compute buffers (the recompute's re-prefill) and heap warm up,
+    # and the pool's blocks must be gone again once the server is idle
+    warm = complete_many(srv.url, prompts, 40)
+    assert all(c.ok for c in warm)
+    assert assert_settled(srv.url)["preempt_pool_bytes"] == 0
+    rss_base = rss_bytes(pid)
+    n_log = len(srv.log_text())
+
+    peak = {"rss": 0, "parked": 0.0, "pool": 0.0}
+    done = threading.Event()
+
+    def sample() -> None:
+        while not done.is_set():
+            peak["rss"] = max(peak["rss"], rss_bytes(pid))
+            m = metrics(srv.url)
+            peak["parked"] = max(peak["parked"], m["preempt_ram_bytes"])
+            peak["pool"] = max(peak["pool"], m["preempt_pool_bytes"])
+            time.sleep(0.02)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        # both slots reach their 8th, 16th, ... token in the same iteration: both are parked at
+        # once, and only one state fits the budget
+        together = complete_many(srv.url, prompts, 40)
+    finally:
+        done.set()
+        sampler.join()
+    assert all(c.ok and c.n_predicted == 40 for c in together), [c.error for c in together]
+
+    log = srv.log_text()[n_log:]
+    held = [(float(b), float(h), float(lim)) for b, h, lim in HELD_RE.findall(log)]
+    assert held, "the pool allocated no block"
+    for block, total, lim in held:
+        assert lim == limit_mib, (block, total, lim)
+        assert block <= total <= lim, (block, total, lim)
+    assert peak["parked"] <= peak["pool"] <= limit, peak
+    assert peak["pool"] > 0, "the gauge never showed the pool"
+    # what the process maps for parked states stays within the budget (plus heap noise)
+    assert peak["rss"] - rss_base <= limit + 8 * 1024 * 1024, (peak["rss"] - rss_base, limit)
+
+    swaps = sum(c.preempt["parks"] - c.preempt["recomputes"] for c in together)
+    recomputes = sum(c.preempt["recomputes"] for c in together)
+    assert swaps >= 1, (swaps, recomputes)
+    assert recomputes >= 1, (swaps, recomputes)
+
+    m = assert_settled(srv.url)
+    assert m["preempt_pool_bytes"] == 0
+    assert "returned to the OS (no request running)" in srv.log_text()
+    # the blocks went back to the OS, not to a heap that keeps them
+    assert rss_bytes(pid) - rss_base <= 1024 * 1024, rss_bytes(pid) - rss_base
+
+
+def test_failed_pool_allocation_parks_by_recompute(start_server: StartServer) -> None:
+    args = [*BASE, *PARK, "-c", "512", "-np", "2"]
+    srv = start_server(
+        args=args,
+        env={"LLAMA_SERVER_PREEMPT_EVERY": "8", "LLAMA_SERVER_PREEMPT_FAIL_POOL": "1"},
+    )
+    got = complete(srv.url, token_prompt(8, 5), 64)
+    assert got.ok, got.error
+    assert got.n_predicted == 64, got.error
+    assert got.preempt["parks"] >= 6, got.preempt
+    assert got.preempt["recomputes"] == got.preempt["parks"], got.preempt
+
+    log = srv.log_text()
+    assert "LLAMA_SERVER_PREEMPT_FAIL_POOL = 1" in log
+    failed = [ln for ln in log.splitlines() if POOL_FAILED_LINE in ln]
+    assert len(failed) == got.preempt["parks"], failed
+    why = "failed (LLAMA_SERVER_PREEMPT_FAIL_POOL), parking by recompute"
+    assert all(why in ln for ln in failed)
+    assert NEW_BLOCK_LINE not in log
+    m = assert_settled(srv.url)
+    assert m["preempt_recompute_total"] == m["n_preempt_total"] >= 6
+
+
+@pytest.mark.slow
+def test_a_growing_state_grows_its_block(start_server: StartServer, slow_model: Path) -> None:
+    # slow model, ~24 KiB per cell: parked every 8 tokens from 72 to 128 cells, the state outgrows
+    # its first block (1.7 MiB + 1/8 -> 2 MiB); the cached block grows instead of a new one
+    args = [*BASE, *PARK, "-c", "512", "-np", "2"]
+    plain = start_server(model=slow_model, args=args)
+    forced = start_server(model=slow_model, args=args, env={"LLAMA_SERVER_PREEMPT_EVERY": "8"})
+    prompt = robust_prompts(plain.url, 1, 64, 64)[0]
+
+    ref = complete(plain.url, prompt, 64)
+    got = complete(forced.url, prompt, 64)
+
+    assert_same(got, ref, 64)
+    assert got.preempt["parks"] >= 6, got.preempt
+    assert got.preempt["recomputes"] == 0, got.preempt
+    log = forced.log_text()
+    assert log.count(NEW_BLOCK_LINE) == 1, [ln for ln in log.splitlines() if "host pool" in ln]
+    assert "preempt: host pool: grown plain block of " in log
+    assert_settled(forced.url)
