@@ -227,7 +227,7 @@ def wide_model() -> Path:
     import numpy as np
 
     # the generated models' vocabulary
-    from tests.support.tinymodel import _vocab, add_vocab
+    from tests.support.tinymodel import _vocab, add_vocab, save_model
 
     w_ = WIDE
     path = (
@@ -276,12 +276,7 @@ def wide_model() -> Path:
         w.add_tensor(f"blk.{i}.ffn_down.weight", normal((d, ff), ff**-0.5, np.float32))
     w.add_tensor("output_norm.weight", ones)
     w.add_tensor("output.weight", normal((n_vocab, d), 1.0, np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(path)
-    return path
+    return save_model(w, tmp, path)
 
 
 def slot_decoded(url: str) -> int:

@@ -21,7 +21,7 @@ from sidecar.paths import cache_dir
 from tests.conftest import StartServer
 from tests.server.preempt_helpers import BASE, PARK, complete, token_prompt
 from tests.server.test_preempt_kv import assert_same, assert_settled, solo_then_together
-from tests.support.tinymodel import _vocab, add_vocab
+from tests.support.tinymodel import _vocab, add_vocab, save_model
 
 pytestmark = [pytest.mark.server]
 
@@ -89,12 +89,7 @@ def write_jamba(path: Path, layers: str = "ma", n_embd: int = 64, n_head: int = 
         w.add_tensor(f"{blk}.ffn_down.weight", normal((d, n_ff), n_ff**-0.5))
     w.add_tensor("output_norm.weight", ones(d))
     w.add_tensor("output.weight", normal((n_vocab, d), 1.0))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(path)
-    return path
+    return save_model(w, tmp, path)
 
 
 @pytest.fixture(scope="session")

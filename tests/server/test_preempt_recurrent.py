@@ -21,7 +21,7 @@ from sidecar.paths import cache_dir
 from tests.conftest import StartServer
 from tests.server.preempt_helpers import BASE, PARK, metrics, token_prompt, wait_settled
 from tests.server.test_preempt_defects import assert_complete, body, streamed
-from tests.support.tinymodel import _vocab, add_vocab
+from tests.support.tinymodel import _vocab, add_vocab, save_model
 
 pytestmark = [pytest.mark.server]
 
@@ -71,12 +71,7 @@ def write_mamba(path: Path, n_embd: int = 64, n_layer: int = 2, seed: int = 99) 
         w.add_tensor(f"blk.{i}.ssm_out.weight", normal((d, d_inner), d_inner**-0.5))
     w.add_tensor("output_norm.weight", np.ones(d, dtype=np.float32))
     w.add_tensor("output.weight", normal((n_vocab, d), 1.0))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    tmp.replace(path)
-    return path
+    return save_model(w, tmp, path)
 
 
 @pytest.fixture(scope="session")

@@ -129,6 +129,12 @@ def write_model(path: str | os.PathLike[str], spec: TinySpec = SPECS["tiny"]) ->
     # Spread logits far apart (std ~ sqrt(d)): greedy picks never sit on a near-tie.
     w.add_tensor("output.weight", normal((n_vocab, d), 1.0))
 
+    return save_model(w, tmp, path)
+
+
+def save_model(w: Any, tmp: Path, path: Path) -> Path:
+    """Write a filled GGUFWriter (open on `tmp`) and move the file to `path`: a run that dies
+    half-way leaves no truncated model at `path` for the next run to load."""
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
