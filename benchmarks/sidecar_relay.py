@@ -20,10 +20,14 @@ queueing is not mixed with the load generator's on a 2-core machine.  Without
 it the scheduler places all three processes freely (the figures in
 docs/benchmarks.md say which they used).  ``--targets`` limits the run to some
 target names (``direct`` is always kept: the latency figures are relative to it);
-``--skip-throughput`` measures latency only.
+``--skip-throughput`` measures latency only.  ``--baseline DIR`` adds the sidecar of
+another checkout (run by ``DIR/.venv/bin/python`` from DIR, same options) as the target
+``sidecar[baseline]``, measured in the same interleaved rounds: a before/after comparison
+under the same load.
 
 Usage: python -m benchmarks.sidecar_relay [--quick] [--rounds 3] [--json OUT]
        [--pin] [--targets direct,nginx,sidecar[h11,asyncio]] [--skip-throughput]
+       [--baseline ../main]
 """
 
 from __future__ import annotations
@@ -221,6 +225,20 @@ def bench_park(t: Target, streams: int, secs: float) -> dict[str, float]:
     }
 
 
+def start_baseline_sidecar(up: int, tree: Path) -> SidecarProcess:
+    """The sidecar of another checkout, started with that checkout's interpreter and cwd."""
+    cfg = ephemeral_config(f"http://127.0.0.1:{up}", upstream_max_idle=4096, metrics_listen=None)
+    env = {"LLAMA_SIDECAR_UVLOOP": "0", "LLAMA_SIDECAR_LOG_LEVEL": "WARNING"}
+    exe, cwd = sys.executable, os.getcwd()
+    sys.executable = str(tree / ".venv" / "bin" / "python")
+    os.chdir(tree)  # `python -c` imports from its working directory first
+    try:
+        return start_subprocess(cfg, env=env)
+    finally:
+        sys.executable = exe
+        os.chdir(cwd)
+
+
 def start_sidecar(up: int, client: str, uvloop: bool) -> SidecarProcess:
     cfg = ephemeral_config(
         f"http://127.0.0.1:{up}",
@@ -240,6 +258,7 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true", help="load on CPU 0, proxies on CPU 1")
     ap.add_argument("--targets", help="comma-separated target names to run")
     ap.add_argument("--skip-throughput", action="store_true")
+    ap.add_argument("--baseline", type=Path, help="another checkout: its sidecar as a target")
     args = ap.parse_args()
     # Commas inside brackets belong to a name: sidecar[h11,asyncio].
     names = re.split(r",(?![^\[]*\])", args.targets) if args.targets else None
@@ -271,6 +290,13 @@ def main() -> None:
                 sp = start_sidecar(up, client, loop)
                 procs.append(sp)
                 targets.append(Target(name, int(sp.url.rsplit(":", 1)[1]), sp.pid))
+            if args.baseline is not None:
+                sp = start_baseline_sidecar(up, args.baseline.resolve())
+                procs.append(sp)
+                port = int(sp.url.rsplit(":", 1)[1])
+                targets.append(Target("sidecar[baseline]", port, sp.pid))
+                if wanted is not None:
+                    wanted.add("sidecar[baseline]")
             if wanted is not None:
                 targets = [t for t in targets if t.name in wanted]
             if args.pin:

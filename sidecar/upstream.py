@@ -330,6 +330,7 @@ class _BodySink:
     """
 
     __slots__ = (
+        "_chunked",
         "_decoder",
         "_deliver",
         "_framing",
@@ -346,6 +347,7 @@ class _BodySink:
     def __init__(self, stream: TransportStream, head: ResponseHead, deliver: Deliver) -> None:
         self._stream = stream
         self._framing = head.framing
+        self._chunked = head.framing is Framing.CHUNKED  # an enum lookup costs ~0.15 us
         self._decoder = ChunkedDecoder()
         self._remaining = head.length
         self._deliver = deliver
@@ -364,37 +366,40 @@ class _BodySink:
             return
         if self.error is not None:
             return
-        if self._framing is not Framing.CHUNKED:
-            self._feed_counted(data)
-            return
-        # Chunked (every llama-server stream): the hot path, kept in one function.
-        decoder = self._decoder
         wire: bytes | None = None
-        out = b""
-        try:
-            if decoder.idle:
-                out, used = whole_chunks(data)
-                if used == len(data):
-                    wire = data
-                elif used:
-                    # Whole chunks, then something the decoder has to see (a
-                    # partial chunk, the end): forward the first, re-frame the rest.
-                    tail = decoder.feed(data[used:])
-                    wire = data[:used] + frame(tail)
-                    out += tail
+        if not self._chunked:
+            out = self._counted(data)
+        else:
+            # Chunked (every llama-server stream): the hot path, kept in this function.
+            decoder = self._decoder
+            out = b""
+            try:
+                if decoder.idle:
+                    out, used = whole_chunks(data)
+                    if used == len(data):
+                        wire = data
+                    elif used:
+                        # Whole chunks, then something the decoder has to see (a
+                        # partial chunk, the end): forward the first, re-frame the rest.
+                        tail = decoder.feed(data[used:])
+                        wire = data[:used] + frame(tail)
+                        out += tail
+                    else:
+                        out = decoder.feed(data)
                 else:
                     out = decoder.feed(data)
-            else:
-                out = decoder.feed(data)
-        except ChunkedError as exc:
-            # The chunks before the bad one are the upstream's answer so far:
-            # deliver them (re-framed), then fail.
-            good = out + exc.partial
-            if good:
-                with contextlib.suppress(Exception):
-                    self._deliver(good, None)
-            self._fail(UpstreamProtocolError(f"bad chunked body from upstream: {exc}"))
-            return
+            except ChunkedError as exc:
+                # The chunks before the bad one are the upstream's answer so far:
+                # deliver them (re-framed), then fail.
+                good = out + exc.partial
+                if good:
+                    with contextlib.suppress(Exception):
+                        self._deliver(good, None)
+                self._fail(UpstreamProtocolError(f"bad chunked body from upstream: {exc}"))
+                return
+            if decoder.done:
+                self.finished = True
+                self.overrun = bool(decoder.leftover)
         if out:
             try:
                 backed_up = self._deliver(out, wire)
@@ -405,13 +410,11 @@ class _BodySink:
                 self.blocked = True
                 self._stream.pause_reading()
                 self._wake()
-        if decoder.done:
-            self.finished = True
-            self.overrun = bool(decoder.leftover)
+        if self.finished:
             self._wake()
 
-    def _feed_counted(self, data: bytes) -> None:
-        """A ``Content-Length`` body, or one that ends when the connection closes."""
+    def _counted(self, data: bytes) -> bytes:
+        """The body bytes of ``data`` for a ``Content-Length`` or close-delimited body."""
         if self._framing is Framing.LENGTH:
             if len(data) >= self._remaining:
                 self.overrun = len(data) > self._remaining
@@ -420,22 +423,7 @@ class _BodySink:
                 self.finished = True
             else:
                 self._remaining -= len(data)
-        self._pass(data, None)
-        if self.finished:
-            self._wake()
-
-    def _pass(self, data: bytes, wire: bytes | None) -> None:
-        if not data:
-            return
-        try:
-            backed_up = self._deliver(data, wire)
-        except Exception as exc:
-            self._fail(exc)
-            return
-        if backed_up:
-            self.blocked = True
-            self._stream.pause_reading()
-            self._wake()
+        return data
 
     def lost(self, exc: BaseException | None) -> None:
         if self.finished or self.error is not None:
