@@ -11,7 +11,7 @@ from :data:`OPTIONS`:
   by the ``proxy`` command (a flag beats the environment),
 * the ``proxy`` command's parameters and ``--help`` (:mod:`sidecar.cli.proxy`),
 * the command line that reproduces a config in a child process
-  (:func:`config_argv`, used by ``start_subprocess`` and by ``up``).
+  (:func:`config_argv`, used by ``up`` and by ``tests/support/sidecar.py``'s ``start_subprocess``).
 
 A flag and its variable take the same text and are parsed by the same
 :meth:`Option.parse`; for an option that may be unset, the empty string means

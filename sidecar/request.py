@@ -196,14 +196,18 @@ async def apply_priority(
         return body, None, None
     header = get_header(request.headers.raw_items(), rules.header) if rules.header else None
     priority = rules.priority_for(plan.key_given, header)
-    raw = b"".join(body.pieces())
-    if len(raw) > PRIORITY_INLINE_PARSE:
-        rewritten = await anyio.to_thread.run_sync(with_priority, raw, priority)
+    if body.size > PRIORITY_INLINE_PARSE:
+        # reading it back (from the temporary file past --body-buffer) happens there too
+        rewritten = await anyio.to_thread.run_sync(_rewrite, body, priority)
     else:
-        rewritten = with_priority(raw, priority)
+        rewritten = _rewrite(body, priority)
     if rewritten is None:
         return body, "unparsed", None
     body.close()
     body = RequestBody(in_memory)
     body.append(rewritten)
     return body, "set", priority
+
+
+def _rewrite(body: RequestBody, priority: int) -> bytes | None:
+    return with_priority(b"".join(body.pieces()), priority)
