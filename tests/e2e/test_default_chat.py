@@ -49,7 +49,9 @@ def test_up_default_model_answers_a_question(tmp_path: Path, llama_server_bin: P
         assert_chat_answer(answer)
 
         log = stream_sse(up.url + "/v1/chat/completions", chat_body(True), timeout=120)
-        assert log.status == 200 and log.done and log.error is None, log.body()[-2000:]
+        assert log.status == 200, log.body()[-2000:]
+        assert log.done, log.body()[-2000:]
+        assert log.error is None, log.body()[-2000:]
         assert_chat_answer(log.content())
     finally:
         up.kill()

@@ -115,9 +115,11 @@ def test_haproxy_steers_new_requests_away_from_a_parking_pair(
         # the parked stream and its leader finish untouched
         ta.join(300)
         tb.join(300)
-        assert results["a"].ok and results["b"].ok, (results["a"].error, results["b"].error)
+        assert results["a"].ok, (results["a"].error, results["b"].error)
+        assert results["b"].ok, (results["a"].error, results["b"].error)
         assert len(results["b"].tokens) == b_tokens
-        assert results["b"].final is not None and results["b"].final["preempt"]["parks"] >= 1
+        assert results["b"].final is not None
+        assert results["b"].final["preempt"]["parks"] >= 1
 
         # back to ready within the poll interval (plus slack for a loaded machine)
         wait_for(lambda: metrics(servers[0].url)["requests_preempted"] == 0, timeout=30,

@@ -61,9 +61,11 @@ def test_overflowing_pair_completes_through_nginx_with_a_short_read_timeout(
         nginx.stop()
     assert len(logs) == 2
     for log in logs:
-        assert log.status == 200 and log.error is None, (log.error, nginx.error_log())
+        assert log.status == 200, (log.error, nginx.error_log())
+        assert log.error is None, (log.error, nginx.error_log())
         final = log.final()
-        assert final and final.get("stop") is True, log.body()[-2000:]
+        assert final, log.body()[-2000:]
+        assert final.get("stop") is True, log.body()[-2000:]
         assert final["timings"]["predicted_n"] == TOKENS
     parks = server_park_lengths(up.server_log.read_text(errors="replace"))
     assert parks, "no stream was parked: the pair did not overflow the pool"

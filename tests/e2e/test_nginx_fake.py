@@ -61,10 +61,12 @@ def test_silent_park_longer_than_proxy_read_timeout_survives_through_the_sidecar
     nginx = start_nginx(tmp_path / "nginx", parked_up.port, read_timeout="1s")
     nginx_factory.append(nginx)
     log = stream_sse(nginx.url + "/v1/chat/completions", BODY, timeout=30)
-    assert log.status == 200 and log.done, (log.error, log.body(), nginx.error_log())
+    assert log.status == 200, (log.error, log.body(), nginx.error_log())
+    assert log.done, (log.error, log.body(), nginx.error_log())
     assert len(log.events) == 10
     notices = [ln for _, ln in log.comments]
-    assert notices[0] == ": preempted" and notices[-1] == ": resumed"
+    assert notices[0] == ": preempted"
+    assert notices[-1] == ": resumed"
     assert notices.count(": preempt-keepalive") >= 3  # written by the sidecar
     parked = [t for t, ln in log.comments if ln in (": preempted", ": resumed")]
     assert parked[1] - parked[0] >= PARK_S - 0.2  # the park really outlasted the timeout
@@ -107,7 +109,8 @@ def test_deploy_pairs_config_spreads_streams_over_two_pairs(tmp_path: Path,
             time.sleep(0.2)  # least_conn sees the earlier streams as open connections
         for th in threads:
             th.join(60)
-        assert len(logs) == 4 and all(log.done for log in logs), nginx.error_log()
+        assert len(logs) == 4, nginx.error_log()
+        assert all(log.done for log in logs), nginx.error_log()
         served = []
         for up in ups:
             m = parse_metrics(httpx.get(up.metrics_url, timeout=10).text, "llama_sidecar_")

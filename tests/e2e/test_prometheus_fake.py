@@ -60,7 +60,8 @@ def test_dashboard_queries_on_live_data_from_a_parking_stand_in(tmp_path: Path,
             th.start()
         for th in threads:
             th.join(60)
-        assert len(logs) == 2 and all(log.done for log in logs)
+        assert len(logs) == 2
+        assert all(log.done for log in logs)
         prom.wait_for("max_over_time(llamacpp:preempt_ram_bytes[5m]) > 0", 30)
         prom.wait_for("llama_sidecar_resumes_total >= 2", 30)
         errors, empty = [], []

@@ -43,16 +43,19 @@ def test_up_tiny_serves_a_streamed_chat_and_sigterm_leaves_nothing(run_up: RunUp
     for flag in ("--kv-unified", "--parallel 2", "--metrics", "--sse-ping-interval 1"):
         assert flag in argv
     log = stream_sse(up.url + "/v1/chat/completions", CHAT, timeout=120)
-    assert log.status == 200 and log.done, log.body()
+    assert log.status == 200, log.body()
+    assert log.done, log.body()
     # Count tokens from the final timings: a random-weight model emits byte tokens, and the
     # server holds back a byte that leaves UTF-8 incomplete, so events != tokens.
     timings = next(ev["timings"] for ev in reversed(log.events) if "timings" in ev)
-    assert log.content() and timings["predicted_n"] == CHAT["max_tokens"], timings
+    assert log.content(), timings
+    assert timings["predicted_n"] == CHAT["max_tokens"], timings
     # Both the sidecar's and llama-server's metrics answer.
     assert "llama_sidecar_requests_total" in httpx.get(up.metrics_url, timeout=10).text
     assert "llamacpp:" in httpx.get(up.server_url + "/metrics", timeout=10).text
     kids = up.children()
-    assert server in kids and len(kids) >= 2
+    assert server in kids
+    assert len(kids) >= 2
     assert up.terminate(timeout=60) == 0
     assert [(p, cmdline(p)) for p in kids if alive(p)] == []
 
@@ -65,7 +68,8 @@ def test_up_restarts_a_killed_llama_server(run_up: RunUp) -> None:
     assert up.server_pid() != first
     up.wait_healthy()
     log = stream_sse(up.url + "/v1/chat/completions", CHAT, timeout=120)
-    assert log.status == 200 and log.done, log.body()
+    assert log.status == 200, log.body()
+    assert log.done, log.body()
     kids = up.children()
     assert up.terminate(timeout=60) == 0
     assert [p for p in kids if alive(p)] == []

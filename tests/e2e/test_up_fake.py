@@ -46,13 +46,15 @@ def run_up(tmp_path: Path, fake_model: Path, fake_server_bin: Path) -> Iterator[
 def chat(up: UpProcess, tokens: int = 8) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True}
     log = stream_sse(up.url + "/v1/chat/completions", body, timeout=60)
-    assert log.status == 200 and log.done, log.body()
+    assert log.status == 200, log.body()
+    assert log.done, log.body()
     assert len(log.events) == tokens
 
 
 def test_up_serves_through_the_sidecar_and_sigterm_stops_everything(run_up: RunUp) -> None:
     up = run_up()
-    assert up.url in up.text() and "curl -N" in up.text()
+    assert up.url in up.text()
+    assert "curl -N" in up.text()
     chat(up)
     kids = up.children()
     assert up.server_pid() in kids
@@ -91,7 +93,8 @@ def test_up_restarts_a_killed_server(run_up: RunUp) -> None:
 def test_arguments_after_double_dash_reach_the_server(run_up: RunUp) -> None:
     up = run_up("--parallel", "2", "--", "--threads", "1")
     argv = cmdline(up.server_pid())
-    assert "--parallel 2" in argv and argv.rstrip().endswith("--threads 1")
+    assert "--parallel 2" in argv
+    assert argv.rstrip().endswith("--threads 1")
     assert "--preempt-ram 4096" in argv
 
 
@@ -106,7 +109,8 @@ def test_a_server_that_cannot_start_fails_fast_with_its_log(run_up: RunUp) -> No
     up = run_up("--", "--fake-fail", start=False)
     with pytest.raises(RuntimeError) as info:
         up.start(timeout=30)
-    assert up.process is not None and up.process.wait(10) == 1
+    assert up.process is not None
+    assert up.process.wait(10) == 1
     text = str(info.value)
     assert "exited during start-up" in text
     assert "invalid argument: --fake-fail" in text  # the log tail is shown
@@ -129,5 +133,6 @@ def test_api_key_is_enforced_by_the_sidecar_and_health_stays_public(run_up: RunU
     url = up.url + "/v1/chat/completions"
     assert stream_sse(url, body, timeout=30).status == 401
     ok = stream_sse(url, body, timeout=30, headers={"Authorization": "Bearer s3cret"})
-    assert ok.status == 200 and ok.done
+    assert ok.status == 200
+    assert ok.done
     assert "Authorization: Bearer" in up.text()  # the printed curl line carries the key header

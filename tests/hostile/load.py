@@ -55,7 +55,8 @@ def parked_script(park: float) -> Script:
 
 def _addr(url: str) -> tuple[str, int]:
     parts = urlsplit(url)
-    assert parts.hostname and parts.port
+    assert parts.hostname
+    assert parts.port
     return parts.hostname, parts.port
 
 
@@ -151,7 +152,8 @@ async def chunk_flood(url: str, done: Done) -> None:
             await c.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
             await c.send(CHUNK_FLOOD + b"0\r\n\r\n")
             resp = await c.read_response(timeout=60)
-            assert resp.status == 200 and len(resp.body) == 50_000
+            assert resp.status == 200
+            assert len(resp.body) == 50_000
         done["chunk_flood"] += 1
 
 
@@ -251,7 +253,8 @@ class _Child:
 
     def finish(self, timeout: float = 60.0) -> Any:
         """Close its stdin (the signal to stop, where it waits for one); its JSON answer."""
-        assert self.process.proc is not None and self.process.proc.stdin is not None
+        assert self.process.proc is not None
+        assert self.process.proc.stdin is not None
         self.process.proc.stdin.close()
         self.process.wait(timeout)
         self.process.close()

@@ -23,7 +23,8 @@ def site_config(upstream_port: int, listen_port: int, read_timeout: str | None =
     text = SITE.read_text()
     text, n_up = re.subn(r"server 127\.0\.0\.1:8081\b", f"server 127.0.0.1:{upstream_port}", text)
     text, n_listen = re.subn(r"listen 8000;", f"listen 127.0.0.1:{listen_port};", text)
-    assert n_up == 1 and n_listen == 1, "docs/nginx.conf no longer has the expected lines"
+    assert n_up == 1, "docs/nginx.conf no longer has the expected lines"
+    assert n_listen == 1, "docs/nginx.conf no longer has the expected lines"
     if read_timeout is not None:
         text, n = re.subn(r"proxy_read_timeout \S+;", f"proxy_read_timeout {read_timeout};", text)
         assert n == 1

@@ -186,7 +186,8 @@ class ManagedProcess:
             time.sleep(self.poll_every)
 
     def _read_output(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
+        assert self.proc is not None
+        assert self.proc.stdout is not None
         for line in self.proc.stdout:
             with self._lines_lock:
                 self.lines.append(line)

@@ -128,5 +128,6 @@ def scrape_config(sidecar_metrics: str, server: str, interval: str = "1s") -> st
     text = text.replace('"127.0.0.1:8080"', f'"{server}"')
     text = re.sub(r"(scrape|evaluation)_interval: \S+", rf"\1_interval: {interval}", text)
     text = text.replace("  - alerts.yml", f"  - {GRAFANA / 'alerts.yml'}")
-    assert sidecar_metrics in text and server in text
+    assert sidecar_metrics in text
+    assert server in text
     return text
