@@ -47,8 +47,8 @@ def body(prompt: list[int] | list[list[int]], n_predict: int, **extra: Any) -> d
 class Notices:
     """Minimal stand-in for a RequestPlan for check_notices()."""
 
-    def __init__(self, multi_prompt: bool) -> None:
-        self.multi_prompt = multi_prompt
+    def __init__(self, names_notices: bool) -> None:
+        self.names_notices = names_notices
 
 
 def streamed(url: str, b: dict[str, Any]) -> Response:
@@ -72,7 +72,7 @@ def generating(url: str, n_decoded: int, n_slots: int = 1) -> bool:
 
 
 def assert_complete(res: Response, n_results: int, prompt_lens: list[int], n_predict: int,
-                    multi_prompt: bool) -> dict[int, dict[str, Any]]:
+                    multi_prompt: bool, family: bool = False) -> dict[int, dict[str, Any]]:
     assert res.status == 200, res.body[:400]
     finals, error, tokens = parse_stream(res)
     assert error is None, error
@@ -82,7 +82,8 @@ def assert_complete(res: Response, n_results: int, prompt_lens: list[int], n_pre
         assert final["tokens_predicted"] == n_predict, (idx, final["tokens_predicted"])
         assert final["tokens_cached"] == n_prompt + n_predict - 1, (idx, final["tokens_cached"])
         assert len(tokens[idx]) == n_predict
-    check_notices(Notices(multi_prompt), res)  # type: ignore[arg-type]
+    # several prompts, or an n_cmpl family: the notices name the result
+    check_notices(Notices(multi_prompt or family), res)  # type: ignore[arg-type]
     return finals
 
 
@@ -139,7 +140,7 @@ def test_an_n_cmpl_family_does_not_block_parking(start_server: StartServer,
     wait_for(lambda: generating(srv.url, 300), what="A holding 308 cells")
     b = streamed(srv.url, body(token_prompt(8, 2), 100, n_cmpl=2))
     ta.join(300)
-    assert_complete(b, 2, [8], 100, multi_prompt=False)
+    assert_complete(b, 2, [8], 100, multi_prompt=False, family=True)
     assert_complete(a["res"], 1, [8], 480, multi_prompt=False)
     m = wait_settled(srv.url)
     assert m["n_preempt_total"] >= 1
@@ -158,7 +159,7 @@ def test_n_cmpl_child_with_stale_cells(start_server: StartServer, preempt: bool)
     first = streamed(srv.url, body(token_prompt(8, 3), 248, cache_prompt=True))
     assert_complete(first, 1, [8], 248, multi_prompt=False)
     second = streamed(srv.url, body(token_prompt(100, 4), 20, n_cmpl=2, cache_prompt=True))
-    assert_complete(second, 2, [100], 20, multi_prompt=False)
+    assert_complete(second, 2, [100], 20, multi_prompt=False, family=True)
     r = httpx.post(f"{srv.url}/completion", timeout=120,
                    json=body(token_prompt(100, 5), 20, n_cmpl=2, cache_prompt=True, stream=False))
     assert r.status_code == 200, r.text[:400]
@@ -184,11 +185,35 @@ def test_no_unpaired_park_when_a_sibling_ends_the_stream(start_server: StartServ
     res: Response = a["res"]
     assert res.status == 200
     check_notices(Notices(True), res)  # type: ignore[arg-type]
-    check_notices(Notices(False), b)  # type: ignore[arg-type]
+    check_notices(Notices(True), b)  # type: ignore[arg-type]  # a family: named notices
     # both fit alone, so both complete
     assert_complete(res, 2, [8, 8], 400, multi_prompt=True)
-    assert_complete(b, 2, [8], 150, multi_prompt=False)
+    assert_complete(b, 2, [8], 150, multi_prompt=False, family=True)
     wait_settled(srv.url)
+
+
+# two n_cmpl families -----------------------------------------------------------------------------
+
+
+def test_two_families_that_overflow_together_both_finish(start_server: StartServer) -> None:
+    """Two n_cmpl 2 requests that each fit the pool alone (8 shared + 2 x 200 cells) but not
+    together. Family members share their prompt's cells, so one is never parked alone; with
+    nothing else to park, both families used to get the context error. A whole family is
+    parked instead, and both end with the answers they get alone."""
+    srv = start_server(args=[*BASE, *PARK, "-c", "512", "-np", "4"])
+    bodies = [body(token_prompt(8, 60 + i), 200, n_cmpl=2) for i in range(2)]
+    solo = [parse_stream(streamed(srv.url, b))[2] for b in bodies]
+    runs = [in_background(lambda b=b: streamed(srv.url, b)) for b in bodies]
+    parks = 0
+    for (thread, out), alone in zip(runs, solo, strict=True):
+        thread.join(300)
+        res: Response = out["res"]
+        finals = assert_complete(res, 2, [8], 200, multi_prompt=False, family=True)
+        assert parse_stream(res)[2] == alone
+        parks += sum(f["preempt"]["parks"] for f in finals.values())
+    assert parks >= 2, "no family was parked"  # a family is parked whole: both of its members
+    m = wait_settled(srv.url)
+    assert m["n_resume_total"] == m["n_preempt_total"]
 
 
 # defect 7 ------------------------------------------------------------------------------------
@@ -285,7 +310,7 @@ def test_family_cells_are_counted_once(start_server: StartServer, slow_model: Pa
     wait_for(lambda: generating(srv.url, 20), what="R generating")
     f = streamed(srv.url, body(token_prompt(150, 10), 80, n_cmpl=2))
     tr.join(300)
-    assert_complete(f, 2, [150], 80, multi_prompt=False)
+    assert_complete(f, 2, [150], 80, multi_prompt=False, family=True)
     finals = assert_complete(r["res"], 1, [8], 150, multi_prompt=False)
     assert finals[0]["preempt"]["parks"] == 0
     m = wait_settled(srv.url)
