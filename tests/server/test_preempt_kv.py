@@ -331,7 +331,7 @@ def test_real_overflows_get_the_context_error(start_server: StartServer) -> None
     assert big.error is not None
     assert big.error["type"] == "exceed_context_size_error", big.error
 
-    # an n_cmpl > 1 family that overflows the pool alone: parking (it would be parked whole) cannot help
+    # an n_cmpl > 1 family that overflows the pool alone: parking it (whole) cannot help
     r = httpx.post(
         f"{srv.url}/completion",
         timeout=120,
