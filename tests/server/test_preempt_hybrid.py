@@ -21,7 +21,7 @@ from sidecar.paths import cache_dir
 from tests.conftest import StartServer
 from tests.server.preempt_helpers import BASE, PARK, complete, token_prompt
 from tests.server.test_preempt_kv import assert_same, assert_settled, solo_then_together
-from tests.support.tinymodel import _vocab, add_vocab, save_model
+from tests.support.tinymodel import _vocab, add_vocab, cached, save_model
 
 pytestmark = [pytest.mark.server]
 
@@ -94,11 +94,7 @@ def write_jamba(path: Path, layers: str = "ma", n_embd: int = 64, n_head: int = 
 
 @pytest.fixture(scope="session")
 def jamba_model() -> Path:
-    path = cache_dir() / "models" / "llama-sidecar-jamba-s7-d64-ma.gguf"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_jamba(path)
-    return path
+    return cached(cache_dir() / "models" / "llama-sidecar-jamba-s7-d64-ma.gguf", write_jamba)
 
 
 @pytest.mark.parametrize("fail_save", [False, True], ids=["swap", "recompute"])

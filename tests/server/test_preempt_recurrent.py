@@ -21,7 +21,7 @@ from sidecar.paths import cache_dir
 from tests.conftest import StartServer
 from tests.server.preempt_helpers import BASE, PARK, metrics, token_prompt, wait_settled
 from tests.server.test_preempt_defects import assert_complete, body, streamed
-from tests.support.tinymodel import _vocab, add_vocab, save_model
+from tests.support.tinymodel import _vocab, add_vocab, cached, save_model
 
 pytestmark = [pytest.mark.server]
 
@@ -76,11 +76,7 @@ def write_mamba(path: Path, n_embd: int = 64, n_layer: int = 2, seed: int = 99) 
 
 @pytest.fixture(scope="session")
 def mamba_model() -> Path:
-    path = cache_dir() / "models" / "llama-sidecar-mamba-s99-d64x2.gguf"
-    if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_mamba(path)
-    return path
+    return cached(cache_dir() / "models" / "llama-sidecar-mamba-s99-d64x2.gguf", write_mamba)
 
 
 def test_recurrent_model_is_served_without_preemption(start_server: StartServer,

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -150,8 +151,14 @@ def ensure_model(cache_dir: str | os.PathLike[str], size: str = "tiny") -> Path:
         Path(cache_dir)
         / f"llama-sidecar-{spec.name}-s{spec.seed}-d{spec.n_embd}x{spec.n_layer}.gguf"
     )
+    return cached(path, lambda p: write_model(p, spec))
+
+
+def cached(path: Path, write: Callable[[Path], object]) -> Path:
+    """The generated model at ``path``, written by ``write(path)`` first if it is missing."""
     if not path.exists():
-        write_model(path, spec)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write(path)
     return path
 
 
