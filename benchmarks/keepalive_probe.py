@@ -7,8 +7,8 @@ pool together (2 x 420 tokens in 512 cells) and the second one is parked for sec
 probe runs against:
 
 * stock:            the unpatched build; the overflow fails both streams (no park at all);
-* without notices:  patches 0001-0002 (LLAMA_SERVER_NO_NOTICES_BIN, or built from a series
-                    truncated to 0002): the stream is parked but silent for the whole park;
+* without notices:  the series before its notices patch (LLAMA_SERVER_NO_NOTICES_BIN, or built
+                    from a series cut there): the stream is parked but silent for the whole park;
 * patched:          the whole series; the parked stream hears `: preempted`, a
                     `: preempt-keepalive` at least every 2 s, then `: resumed`.
 
@@ -47,15 +47,20 @@ def build(*flags: str) -> Path:
     return Path(out.strip().splitlines()[-1])
 
 
+NOTICES_PATCH = "tell-streaming-clients-about-parks"
+
+
 def without_notices_binary() -> Path | None:
-    """Patches 0001-0002 only: a copy of the repo's server_patch with the series cut after 0002."""
+    """The series up to the notices patch: a copy of the repo's server_patch with `series` cut
+    before the patch that tells streaming clients about parks (later patches build on it)."""
     override = os.environ.get("LLAMA_SERVER_NO_NOTICES_BIN")
     if override:
         return Path(override)
     series = (REPO / "server_patch" / "series").read_text().splitlines()
-    kept = [ln for ln in series if not ln.startswith("0003")]
-    if kept == series:
+    cut = next((i for i, ln in enumerate(series) if NOTICES_PATCH in ln), None)
+    if cut is None:
         return None
+    kept = series[:cut]
     with tempfile.TemporaryDirectory(prefix="probe-series-") as tmp:
         root = Path(tmp)
         (root / "server_patch").mkdir()

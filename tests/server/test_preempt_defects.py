@@ -260,6 +260,17 @@ def test_preempt_ram_rejects_what_it_cannot_take(start_server: StartServer, valu
     assert value in str(e.value), str(e.value)[-2000:]
 
 
+@pytest.mark.parametrize("value", ["0", "1.5", "abc", "-1", "3601", ""])
+def test_preempt_keepalive_rejects_what_it_cannot_take(
+    start_server: StartServer, value: str
+) -> None:
+    with pytest.raises(ServerDied) as e:
+        start_server(args=[*BASE, "-c", "256", "-np", "2", "--preempt-ram", "64",
+                           "--preempt-keepalive", value], timeout=60)
+    message = str(e.value)
+    assert "--preempt-keepalive takes a whole number of seconds" in message, message[-2000:]
+
+
 def test_preempt_ram_env_rejects_a_fraction(start_server: StartServer) -> None:
     with pytest.raises(ServerDied) as e:
         start_server(args=[*BASE, "-c", "256", "-np", "2"],

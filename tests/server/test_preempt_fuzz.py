@@ -28,8 +28,8 @@ A failing seed is reproduced alone with `FUZZ_SEEDS=1 FUZZ_SEED_START=<seed>`; i
 in the assertion message.
 
 A workload holds at most one `n_cmpl` family unless `FUZZ_FAMILIES=N` allows N: the pinned seeds
-were found with one, and before patch 0007 two families that overflowed together were both
-failed. `FUZZ_FAMILIES=3 FUZZ_SEEDS=N` exercises the whole-family parks.
+were found with one, and before patch 0011 (whole-family parks) two families that overflowed
+together were both failed. `FUZZ_FAMILIES=3 FUZZ_SEEDS=N` exercises the whole-family parks.
 """
 
 from __future__ import annotations
