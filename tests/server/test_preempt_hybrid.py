@@ -153,3 +153,29 @@ def test_hybrid_last_resort(start_server: StartServer, jamba_model: Path, batch:
         assert_same(got, ref, n_predict)
     assert "preempted as a last resort" in srv.log_text()
     assert_settled(srv.url)
+
+
+@pytest.mark.parametrize("fail_save", [False, True], ids=["swap", "recompute"])
+def test_parks_keep_the_hybrid_checkpoints(start_server: StartServer, jamba_model: Path,
+                                           fail_save: bool) -> None:
+    """A recurrent state cannot be cut back, so a next turn that leaves the cached tokens early
+    resumes from a context checkpoint made during the first prompt. A park must leave those
+    checkpoints usable (a recompute re-fills the very tokens they were taken from): the next turn
+    reuses as much of its prompt as on a server that never parked (issue 10, item 8)."""
+    args = [*BASE, *PARK, "-c", "512", "-np", "2"]
+    env = {"LLAMA_SERVER_PREEMPT_EVERY": "8"}
+    if fail_save:
+        env["LLAMA_SERVER_PREEMPT_FAIL_SAVE"] = "1"
+    first_turn, next_turn = token_prompt(100, 50), token_prompt(100, 50)[:96] + token_prompt(8, 51)
+    cached: dict[str, int] = {}
+    for label, srv in (("plain", start_server(model=jamba_model, args=args)),
+                       ("parked", start_server(model=jamba_model, args=args, env=env))):
+        first = complete(srv.url, first_turn, 32, id_slot=0, cache_prompt=True)
+        assert first.ok, first.error
+        assert (first.preempt["parks"] >= 3) == (label == "parked"), first.preempt
+        second = complete(srv.url, next_turn, 4, id_slot=0, cache_prompt=True)
+        assert second.ok, second.error
+        assert second.final is not None
+        cached[label] = second.final["timings"]["cache_n"]
+    assert cached["plain"] > 0, "no checkpoint was used on the server without parks"
+    assert cached["parked"] == cached["plain"], cached
