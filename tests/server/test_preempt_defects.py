@@ -33,6 +33,7 @@ from tests.server.preempt_helpers import (
     wait_settled,
 )
 from tests.server.test_preempt_fuzz import Response, check_notices, parse_stream, post
+from tests.server.test_preempt_kv import assert_same, solo_then_together
 from tests.support.llama import ServerDied
 from tests.support.sse_client import StreamLog, stream_sse
 
@@ -367,3 +368,25 @@ def test_merged_oai_response_sums_the_preempt_records(start_server: StartServer)
     assert len(both["choices"]) == 2
     # forced parks come every 8 generated tokens of each prompt: the same count for both
     assert both["preempt"] == {"parks": 2 * one["parks"], "recomputes": 0}, both["preempt"]
+
+
+# found by the multimodal tests: two prompts finishing in the same batch -------------------------
+
+
+def test_last_resort_parks_a_slot_whose_prompt_ended_in_the_failing_batch(
+    start_server: StartServer,
+) -> None:
+    """Planner off, 64-token batches: two 130-token prompts finish in the same batch, which does
+    not fit the pool. Both slots were in DONE_PROMPT there, which the victim choice did not count
+    as running, so the last resort found no victim and both requests, each of which fits alone,
+    got "Context size has been exceeded." One must be parked and both end with their solo
+    answers."""
+    srv = start_server(args=[*BASE, *PARK, "-c", "256", "-np", "2", "-b", "64", "-ub", "64"],
+                       env={"LLAMA_SERVER_PREEMPT_PLANNER": "off"})
+    prompts = [token_prompt(130, 60), token_prompt(130, 61)]
+    solo, together = solo_then_together(srv.url, prompts, 40)
+    for got, ref in zip(together, solo, strict=True):
+        assert got.error is None, got.error
+        assert_same(got, ref, 40)
+    assert LAST_RESORT_LINE in srv.log_text()
+    wait_settled(srv.url)
