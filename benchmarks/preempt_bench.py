@@ -186,6 +186,12 @@ RESUME_RE = re.compile(r"state ([0-9.]+) MiB restored in ([0-9.]+) ms")
 BREAKDOWN_RE = re.compile(
     r"\(size ([0-9.]+) ms, block ([0-9.]+) ms, copy ([0-9.]+) ms, release ([0-9.]+) ms\)"
 )
+# patch 0008: a block faulted in by a background thread before the park that takes it
+PREFAULTED_RE = re.compile(
+    r"prefaulted plain block of ([0-9.]+) MiB in ([0-9.]+) ms \(background"
+    r"(?:, the park waited ([0-9.]+) ms for its last part)?\)"
+)
+TAKES_PREFAULTED = "the park takes the prefaulted plain block"
 
 
 def memcpy_mib_s(n_mib: float, repeat: int = 5, cold: bool = False) -> float:
@@ -314,6 +320,8 @@ def swap_case(
     log = srv.log_text()
     srv.stop()
     parks = [(float(x), float(y)) for x, y in PARK_RE.findall(log)]
+    lines = log.splitlines()
+    first_park = next(i for i, ln in enumerate(lines) if PARK_RE.search(ln))
     resumes = [(float(x), float(y)) for x, y in RESUME_RE.findall(log)]
     gaps = [
         t1 - t0 for t0, t1 in zip(a.t_events[1:], a.t_events[2:], strict=False)
@@ -325,6 +333,12 @@ def swap_case(
             for m in BREAKDOWN_RE.findall(log)
         ],
         "resumes": resumes,
+        # 0008: did B's first park take a block prefaulted in the background (and wait for it)?
+        "first_park_prefaulted": any(TAKES_PREFAULTED in ln for ln in lines[:first_park]),
+        "prefaults": [
+            {"mib": float(m), "ms": float(t), "park_waited_ms": float(w) if w else 0.0}
+            for m, t, w in PREFAULTED_RE.findall(log)
+        ],
         "a_gaps_s": gaps,
         "stall_steps": max(gaps) / statistics.median(gaps),
     }
@@ -363,6 +377,7 @@ def bench_swap(servers: Servers, before: Path | None) -> dict[str, Any]:
                 "memcpy_warm_mib_s": warm,
                 "memcpy_cold_mib_s": cold,
                 "stall_steps": r["stall_steps"],
+                "first_park_prefaulted": r["first_park_prefaulted"],
                 "a_step_median_ms": 1e3 * statistics.median(r["a_gaps_s"]),
                 "a_gap_max_ms": 1e3 * max(r["a_gaps_s"]),
                 "loadavg_1m": os.getloadavg()[0],
@@ -380,7 +395,7 @@ def bench_swap(servers: Servers, before: Path | None) -> dict[str, Any]:
 def swap_table(res: dict[str, Any]) -> str:
     """docs/benchmarks.md rows: ratios to a warm (cold) memcpy, before -> after."""
     rows = [
-        "| state | park vs memcpy warm (cold) | first park (new block) vs warm "
+        "| state | park vs memcpy warm (cold) | first park of a busy period vs warm "
         "| restore vs memcpy warm | resident stall (max gap / median step) | load (1 min) |",
         "|---|---|---|---|---|---|",
     ]

@@ -1,4 +1,4 @@
-"""Patch 0006: parked states live in a reused host buffer pool (issue 11).
+"""Patches 0006 and 0008: parked states live in a reused host buffer pool (issue 11).
 
 A park serializes the slot's sequence into a block of a pool owned by the preemption mechanism
 (pre-faulted, pinned on builds with a GPU device) instead of a fresh allocation; the block goes
@@ -7,6 +7,12 @@ change (forced parks give byte-identical tokens, whatever the KV type, with or w
 model), what the pool promises (reuse, never above `--preempt-ram`, nothing held once idle) and
 its failure path (a block that cannot be allocated means a recompute park, logged). No timing is
 asserted: the speed is measured by `benchmarks/preempt_bench.py --only swap`.
+
+Patch 0008: when a park is likely soon (a forced park is coming, or the pool is filling and the
+planner has a victim), a background thread faults in a block for it beforehand, so that the
+first park of a busy period does not fault in its block on the main loop. The prefaulted block
+is an ordinary pool block once adopted: it counts toward `--preempt-ram` and the gauge, and it
+goes back to the OS when idle.
 """
 
 from __future__ import annotations
@@ -33,10 +39,15 @@ from tests.server.test_preempt_kv import assert_same, assert_settled
 pytestmark = [pytest.mark.server]
 
 NEW_BLOCK_LINE = "preempt: host pool: new "
+PREFAULTING_LINE = "preempt: host pool: prefaulting a plain block of "
+PREFAULTED_LINE = "preempt: host pool: prefaulted plain block of "
+TAKES_LINE = "preempt: host pool: the park takes the prefaulted plain block of "
+PREFAULT_OFF = {"LLAMA_SERVER_PREEMPT_PREFAULT": "off"}
 POOL_FAILED_LINE = "preempt: host pool allocation of "
 RETURNED_LINE = "preempt: host pool: "  # "... MiB returned to the OS (...)"
 HELD_RE = re.compile(
-    r"host pool: (?:new|grown) \w+ block of ([0-9.]+) MiB, held ([0-9.]+) MiB of ([0-9.]+) MiB"
+    r"host pool: (?:new|grown|prefaulted) \w+ block of ([0-9.]+) MiB"
+    r"(?: in [0-9.]+ ms \(background[^)]*\))?, held ([0-9.]+) MiB of ([0-9.]+) MiB"
 )
 
 KV_TYPES = {
@@ -96,9 +107,12 @@ def test_forced_parks_through_the_pool_change_nothing(
     assert got.preempt["parks"] >= min_parks, got.preempt
     assert got.preempt["recomputes"] == 0, got.preempt
     log = forced.log_text()
-    # a tiny model's state (target and draft) fits one 2 MiB block: the first park allocates it,
-    # every later park reuses it
-    assert log.count(NEW_BLOCK_LINE) == 1, [ln for ln in log.splitlines() if "host pool" in ln]
+    # a tiny model's state (target and draft) fits one 2 MiB block: it is prefaulted before the
+    # first park (0008), which takes it, and every later park reuses it
+    pool_lines = [ln for ln in log.splitlines() if "host pool" in ln]
+    assert log.count(PREFAULTED_LINE) == 1, pool_lines
+    assert NEW_BLOCK_LINE not in log, pool_lines
+    assert log.count(TAKES_LINE) == 1, pool_lines
     m = assert_settled(forced.url)
     assert m["preempt_recompute_total"] == 0
     assert m["preempt_pool_bytes"] == 0
@@ -187,6 +201,8 @@ def test_failed_pool_allocation_parks_by_recompute(start_server: StartServer) ->
 
     log = srv.log_text()
     assert "LLAMA_SERVER_PREEMPT_FAIL_POOL = 1" in log
+    assert "background prefault off: a test knob fails host copies" in log
+    assert PREFAULTING_LINE not in log
     failed = [ln for ln in log.splitlines() if POOL_FAILED_LINE in ln]
     assert len(failed) == got.preempt["parks"], failed
     why = "failed (LLAMA_SERVER_PREEMPT_FAIL_POOL), parking by recompute"
@@ -199,10 +215,13 @@ def test_failed_pool_allocation_parks_by_recompute(start_server: StartServer) ->
 @pytest.mark.slow
 def test_a_growing_state_grows_its_block(start_server: StartServer, slow_model: Path) -> None:
     # slow model, ~24 KiB per cell: parked every 8 tokens from 72 to 128 cells, the state outgrows
-    # its first block (1.7 MiB + 1/8 -> 2 MiB); the cached block grows instead of a new one
+    # its first block (1.7 MiB + 1/8 -> 2 MiB); the cached block grows instead of a new one. The
+    # background prefault (0008) is off: it would size the block for the coming parks itself
     args = [*BASE, *PARK, "-c", "512", "-np", "2"]
     plain = start_server(model=slow_model, args=args)
-    forced = start_server(model=slow_model, args=args, env={"LLAMA_SERVER_PREEMPT_EVERY": "8"})
+    forced = start_server(
+        model=slow_model, args=args, env={"LLAMA_SERVER_PREEMPT_EVERY": "8", **PREFAULT_OFF}
+    )
     prompt = robust_prompts(plain.url, 1, 64, 64)[0]
 
     ref = complete(plain.url, prompt, 64)
@@ -215,3 +234,64 @@ def test_a_growing_state_grows_its_block(start_server: StartServer, slow_model: 
     assert log.count(NEW_BLOCK_LINE) == 1, [ln for ln in log.splitlines() if "host pool" in ln]
     assert "preempt: host pool: grown plain block of " in log
     assert_settled(forced.url)
+
+
+def first_lines(log: str, *markers: str) -> list[int]:
+    """Index of the first log line holding each marker (-1 when none does)."""
+    lines = log.splitlines()
+    return [next((i for i, ln in enumerate(lines) if m in ln), -1) for m in markers]
+
+
+def test_first_park_under_pressure_takes_a_prefaulted_block(start_server: StartServer) -> None:
+    # two chats of 100 + 200 tokens overflow a 512-cell pool together: once what they hold and
+    # will add passes 3/4 of the pool, a background thread faults in a block for the planner's
+    # victim, and the first park of the busy period takes it instead of faulting in a new one
+    srv = start_server(args=[*BASE, *PARK, "-c", "512", "-np", "2"])
+    got = complete_many(srv.url, [token_prompt(100, 21), token_prompt(100, 22)], 200)
+    assert all(c.ok and c.n_predicted == 200 for c in got), [c.error for c in got]
+    assert sum(c.preempt["parks"] for c in got) >= 1, [c.preempt for c in got]
+    assert all(c.preempt["recomputes"] == 0 for c in got), [c.preempt for c in got]
+
+    log = srv.log_text()
+    pool_lines = [ln for ln in log.splitlines() if "host pool" in ln or "preempted: " in ln]
+    assert "background prefault on" in log
+    i_start, i_ready, i_take, i_park = first_lines(
+        log, PREFAULTING_LINE, PREFAULTED_LINE, TAKES_LINE, "preempted: "
+    )
+    assert 0 <= i_start < i_ready < i_take < i_park, pool_lines
+    assert "(the pool is filling;" in log.splitlines()[i_start], pool_lines
+    assert NEW_BLOCK_LINE not in log, pool_lines
+    m = assert_settled(srv.url)
+    assert m["preempt_pool_bytes"] == 0
+    assert "returned to the OS (no request running)" in srv.log_text()
+
+
+def test_an_unused_prefaulted_block_goes_back_when_idle(start_server: StartServer) -> None:
+    # two chats of 100 + 100 tokens fill a 512-cell pool to 400 cells: past 3/4 of it a block is
+    # prefaulted for a park that never comes, and the idle server returns it (or cancels the
+    # prefault if it is still under way)
+    srv = start_server(args=[*BASE, *PARK, "-c", "512", "-np", "2"])
+    got = complete_many(srv.url, [token_prompt(100, 21), token_prompt(100, 22)], 100)
+    assert all(c.ok and c.n_predicted == 100 for c in got), [c.error for c in got]
+    assert all(c.preempt["parks"] == 0 for c in got), [c.preempt for c in got]
+    log = srv.log_text()
+    assert PREFAULTING_LINE + "2.000 MiB in the background (the pool is filling;" in log
+    m = metrics(srv.url)  # an idle server gives its blocks back when /metrics is asked
+    assert m["preempt_pool_bytes"] == 0, m
+    assert m["n_preempt_total"] == 0, m
+    assert RETURNED_LINE + "2.000 MiB returned to the OS (no request running)" in srv.log_text()
+
+
+def test_prefault_off_knob(start_server: StartServer) -> None:
+    srv = start_server(
+        args=[*BASE, *PARK, "-c", "512", "-np", "2"],
+        env={"LLAMA_SERVER_PREEMPT_EVERY": "8", **PREFAULT_OFF},
+    )
+    got = complete(srv.url, token_prompt(8, 5), 32)
+    assert got.ok, got.error
+    assert got.preempt["parks"] >= 2, got.preempt
+    log = srv.log_text()
+    assert "background prefault off: LLAMA_SERVER_PREEMPT_PREFAULT=off" in log
+    assert PREFAULTING_LINE not in log
+    assert log.count(NEW_BLOCK_LINE) == 1
+    assert_settled(srv.url)
