@@ -12,6 +12,10 @@
              run, for states from ~4 MiB to ~1.1 GiB (a generated wide-KV model), and the stall a
              resident stream feels (its longest inter-token gap across a park over its median
              step); `--before BIN` measures a second build side by side.
+4. pressure: the first park of a busy period under real pressure (no forced parks): two chats
+             on the wide-KV model overflow the pool together and the planner parks the smaller
+             (~1.07 GiB); its rate against a memcpy, whether it took a block prefaulted in the
+             background (patch 0008), and the other stream's stall; `--before BIN` as for swap.
 
 Figures are ratios measured side by side in one run; the machine and its load change the
 absolute numbers. The binaries come from build_llama.sh (LLAMA_SERVER_BIN and
@@ -392,6 +396,75 @@ def bench_swap(servers: Servers, before: Path | None) -> dict[str, Any]:
     return out
 
 
+def pressure_case(servers: Servers, binary_path: Path, model: Path) -> dict[str, Any]:
+    """Chat A (500-token prompt) generates; chat B (560) arrives, and once both generate the pool
+    (1140 cells) fills 35 steps later: the planner parks A, the smaller, at ~535 cells (1.07 GiB),
+    and restores it when B ends. No LLAMA_SERVER_PREEMPT_EVERY: whatever prepares A's block
+    must foresee the park from the pool's use alone."""
+    srv = servers.start_bin(
+        binary_path,
+        model,
+        [*BASE, "-c", "1140", "-np", "2", "--preempt-ram", "-1", "--cache-ram", "0"],
+    )
+    res: dict[str, Any] = {}
+
+    def run_a() -> None:
+        res["a"] = complete(srv.url, token_prompt(500, 5), 64, timeout=900)
+
+    ta = threading.Thread(target=run_a, daemon=True)
+    ta.start()
+    wait_for(lambda: slot_decoded(srv.url) >= 2, timeout=600, what="A's tokens")
+    b = complete(srv.url, token_prompt(560, 6), 64, timeout=900)
+    ta.join(900)
+    a = res["a"]
+    assert a.ok and b.ok, (a.error, b.error)
+    assert a.preempt["parks"] >= 1 and b.preempt["parks"] == 0, (a.preempt, b.preempt)
+    log = srv.log_text()
+    srv.stop()
+    lines = log.splitlines()
+    first_park = next(i for i, ln in enumerate(lines) if PARK_RE.search(ln))
+    park = PARK_RE.search(lines[first_park])
+    breakdown = BREAKDOWN_RE.search(lines[first_park])
+    assert park is not None
+    mib, ms = float(park.group(1)), float(park.group(2))
+    gaps = [t1 - t0 for t0, t1 in zip(b.t_events[1:], b.t_events[2:], strict=False)]
+    return {
+        "state_mib": mib,
+        "park_ms": ms,
+        "park_mib_s": mib / (ms / 1e3),
+        "park_breakdown_ms": breakdown.groups() if breakdown else None,
+        "first_park_prefaulted": any(TAKES_PREFAULTED in ln for ln in lines[:first_park]),
+        "prefaults": [
+            {"mib": float(m), "ms": float(t), "park_waited_ms": float(w) if w else 0.0}
+            for m, t, w in PREFAULTED_RE.findall(log)
+        ],
+        "b_step_median_ms": 1e3 * statistics.median(gaps),
+        "b_gap_max_ms": 1e3 * max(gaps),
+        "stall_steps": max(gaps) / statistics.median(gaps),
+    }
+
+
+def bench_pressure(servers: Servers, before: Path | None) -> dict[str, Any]:
+    wide = wide_model()
+    builds = [("after", binary(False))] + ([("before", before)] if before else [])
+    out: dict[str, Any] = {"load_before": os.getloadavg(), "builds": {}}
+    for label, path in builds:
+        r = pressure_case(servers, path, wide)
+        warm = memcpy_mib_s(r["state_mib"], repeat=2)
+        cold = memcpy_mib_s(r["state_mib"], repeat=2, cold=True)
+        r.update(
+            memcpy_warm_mib_s=warm,
+            memcpy_cold_mib_s=cold,
+            park_over_warm=r["park_mib_s"] / warm,
+            park_over_cold=r["park_mib_s"] / cold,
+            loadavg_1m=os.getloadavg()[0],
+        )
+        print("pressure", label, r, flush=True)
+        out["builds"][label] = r
+    out["load_after"] = os.getloadavg()
+    return out
+
+
 def swap_table(res: dict[str, Any]) -> str:
     """docs/benchmarks.md rows: ratios to a warm (cold) memcpy, before -> after."""
     rows = [
@@ -423,7 +496,9 @@ def main() -> int:
     ap.add_argument(
         "--rounds", type=int, default=8, help="A B rounds per cost workload (default 8)"
     )
-    ap.add_argument("--only", default="cost,overload,swap", help="comma-separated subset")
+    ap.add_argument(
+        "--only", default="cost,overload,swap", help="comma-separated subset (also: pressure)"
+    )
     ap.add_argument("--cost-tokens", type=int, default=1024)
     ap.add_argument("--overload-tokens", type=int, default=100)
     ap.add_argument(
@@ -449,10 +524,12 @@ def main() -> int:
             if "overload" in only:
                 results["overload"] = bench_overload(servers, model, a.overload_tokens)
                 print(json.dumps({"overload": results["overload"]}, indent=1), flush=True)
+            before = a.before or os.environ.get("LLAMA_SERVER_BEFORE_BIN")
             if "swap" in only:
-                before = a.before or os.environ.get("LLAMA_SERVER_BEFORE_BIN")
                 results["swap"] = bench_swap(servers, Path(before) if before else None)
                 print(swap_table(results["swap"]), flush=True)
+            if "pressure" in only:
+                results["pressure"] = bench_pressure(servers, Path(before) if before else None)
         finally:
             servers.stop_all()
     if a.json:

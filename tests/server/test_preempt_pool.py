@@ -21,6 +21,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,6 +34,7 @@ from tests.server.preempt_helpers import (
     metrics,
     robust_prompts,
     token_prompt,
+    wait_for,
 )
 from tests.server.test_preempt_kv import assert_same, assert_settled
 
@@ -57,6 +59,18 @@ KV_TYPES = {
     # without flash attention the V cache is transposed: the serialization copies it row by row
     "f16-no-fa": ["-ctk", "f16", "-ctv", "f16", "-fa", "off"],
 }
+
+
+def settled_log(srv: Any) -> tuple[dict[str, float], str]:
+    """Metrics once the server is idle, and its log once the idle pool's return to the OS is in
+    it: the server logs from a thread of its own, so lines can reach the file after the reply."""
+    m = assert_settled(srv.url)
+
+    def returned() -> str | None:
+        log: str = srv.log_text()
+        return log if "returned to the OS (no request running)" in log else None
+
+    return m, wait_for(returned, what="the pool's return to the OS in the log")
 
 
 def draft_args(model: Path) -> list[str]:
@@ -106,17 +120,16 @@ def test_forced_parks_through_the_pool_change_nothing(
     min_parks = n_predict // 8 - 2
     assert got.preempt["parks"] >= min_parks, got.preempt
     assert got.preempt["recomputes"] == 0, got.preempt
-    log = forced.log_text()
+    m, log = settled_log(forced)
     # a tiny model's state (target and draft) fits one 2 MiB block: it is prefaulted before the
     # first park (0008), which takes it, and every later park reuses it
     pool_lines = [ln for ln in log.splitlines() if "host pool" in ln]
     assert log.count(PREFAULTED_LINE) == 1, pool_lines
     assert NEW_BLOCK_LINE not in log, pool_lines
     assert log.count(TAKES_LINE) == 1, pool_lines
-    m = assert_settled(forced.url)
     assert m["preempt_recompute_total"] == 0
     assert m["preempt_pool_bytes"] == 0
-    assert RETURNED_LINE + "2.000 MiB returned to the OS (no request running)" in forced.log_text()
+    assert RETURNED_LINE + "2.000 MiB returned to the OS (no request running)" in log
 
 
 @pytest.mark.slow
@@ -252,7 +265,7 @@ def test_first_park_under_pressure_takes_a_prefaulted_block(start_server: StartS
     assert sum(c.preempt["parks"] for c in got) >= 1, [c.preempt for c in got]
     assert all(c.preempt["recomputes"] == 0 for c in got), [c.preempt for c in got]
 
-    log = srv.log_text()
+    m, log = settled_log(srv)
     pool_lines = [ln for ln in log.splitlines() if "host pool" in ln or "preempted: " in ln]
     assert "background prefault on" in log
     i_start, i_ready, i_take, i_park = first_lines(
@@ -261,9 +274,7 @@ def test_first_park_under_pressure_takes_a_prefaulted_block(start_server: StartS
     assert 0 <= i_start < i_ready < i_take < i_park, pool_lines
     assert "(the pool is filling;" in log.splitlines()[i_start], pool_lines
     assert NEW_BLOCK_LINE not in log, pool_lines
-    m = assert_settled(srv.url)
     assert m["preempt_pool_bytes"] == 0
-    assert "returned to the OS (no request running)" in srv.log_text()
 
 
 def test_an_unused_prefaulted_block_goes_back_when_idle(start_server: StartServer) -> None:
@@ -274,12 +285,13 @@ def test_an_unused_prefaulted_block_goes_back_when_idle(start_server: StartServe
     got = complete_many(srv.url, [token_prompt(100, 21), token_prompt(100, 22)], 100)
     assert all(c.ok and c.n_predicted == 100 for c in got), [c.error for c in got]
     assert all(c.preempt["parks"] == 0 for c in got), [c.preempt for c in got]
-    log = srv.log_text()
+    # an idle server gives its blocks back (and cancels a prefault) at the latest when /metrics
+    # is asked
+    m, log = settled_log(srv)
     assert PREFAULTING_LINE + "2.000 MiB in the background (the pool is filling;" in log
-    m = metrics(srv.url)  # an idle server gives its blocks back when /metrics is asked
     assert m["preempt_pool_bytes"] == 0, m
     assert m["n_preempt_total"] == 0, m
-    assert RETURNED_LINE + "2.000 MiB returned to the OS (no request running)" in srv.log_text()
+    assert RETURNED_LINE + "2.000 MiB returned to the OS (no request running)" in log
 
 
 def test_prefault_off_knob(start_server: StartServer) -> None:
@@ -290,8 +302,7 @@ def test_prefault_off_knob(start_server: StartServer) -> None:
     got = complete(srv.url, token_prompt(8, 5), 32)
     assert got.ok, got.error
     assert got.preempt["parks"] >= 2, got.preempt
-    log = srv.log_text()
+    _, log = settled_log(srv)
     assert "background prefault off: LLAMA_SERVER_PREEMPT_PREFAULT=off" in log
     assert PREFAULTING_LINE not in log
     assert log.count(NEW_BLOCK_LINE) == 1
-    assert_settled(srv.url)
