@@ -14,7 +14,7 @@
              step); `--before BIN` measures a second build side by side.
 4. pressure: the first park of a busy period under real pressure (no forced parks): two chats
              on the wide-KV model overflow the pool together and the planner parks the smaller
-             (~1.07 GiB); its rate against a memcpy, whether it took a block prefaulted in the
+             (~0.95 GiB); its rate against a memcpy, whether it took a block prefaulted in the
              background (patch 0008), and the other stream's stall; `--before BIN` as for swap.
 
 Figures are ratios measured side by side in one run; the machine and its load change the
@@ -397,24 +397,25 @@ def bench_swap(servers: Servers, before: Path | None) -> dict[str, Any]:
 
 
 def pressure_case(servers: Servers, binary_path: Path, model: Path) -> dict[str, Any]:
-    """Chat A (500-token prompt) generates; chat B (560) arrives, and once both generate the pool
-    (1140 cells) fills 35 steps later: the planner parks A, the smaller, at ~535 cells (1.07 GiB),
-    and restores it when B ends. No LLAMA_SERVER_PREEMPT_EVERY: whatever prepares A's block
-    must foresee the park from the pool's use alone."""
+    """Chat A (440-token prompt) generates; chat B (500) arrives, and once both generate the pool
+    (1024 cells; llama.cpp pads a context to a multiple of 256) fills ~37 steps later: the
+    planner parks A, the smaller, at ~477 cells (~0.95 GiB), and restores it when B ends. No
+    LLAMA_SERVER_PREEMPT_EVERY: whatever prepares A's block must foresee the park from the
+    pool's use alone."""
     srv = servers.start_bin(
         binary_path,
         model,
-        [*BASE, "-c", "1140", "-np", "2", "--preempt-ram", "-1", "--cache-ram", "0"],
+        [*BASE, "-c", "1024", "-np", "2", "--preempt-ram", "-1", "--cache-ram", "0"],
     )
     res: dict[str, Any] = {}
 
     def run_a() -> None:
-        res["a"] = complete(srv.url, token_prompt(500, 5), 64, timeout=900)
+        res["a"] = complete(srv.url, token_prompt(440, 5), 80, timeout=900)
 
     ta = threading.Thread(target=run_a, daemon=True)
     ta.start()
     wait_for(lambda: slot_decoded(srv.url) >= 2, timeout=600, what="A's tokens")
-    b = complete(srv.url, token_prompt(560, 6), 64, timeout=900)
+    b = complete(srv.url, token_prompt(500, 6), 80, timeout=900)
     ta.join(900)
     a = res["a"]
     assert a.ok and b.ok, (a.error, b.error)
