@@ -69,65 +69,89 @@ class MmprojSpec:
         )
 
 
-def write_mmproj(path: str | os.PathLike[str], spec: MmprojSpec = MmprojSpec()) -> Path:
-    """Write the projector described by `spec` to `path` (atomically) and return the path."""
+class _Init:
+    """Float32 tensors drawn from one seeded generator."""
+
+    def __init__(self, seed: int) -> None:
+        import numpy as np
+
+        self.np = np
+        self.rng = np.random.default_rng(seed)
+
+    def normal(self, shape: tuple[int, ...], std: float) -> Any:
+        return (self.rng.standard_normal(shape, dtype=self.np.float32) * std).astype(
+            self.np.float32)
+
+    def zeros(self, n: int) -> Any:
+        return self.np.zeros(n, dtype=self.np.float32)
+
+    def ones(self, n: int) -> Any:
+        return self.np.ones(n, dtype=self.np.float32)
+
+
+def _clip_writer(tmp: Path, name: str, projector: str, *, d: int, ff: int, n_layer: int,
+                 n_embd_text: int, n_head: int, eps: float, image_size: int,
+                 patch_size: int) -> Any:
+    """A GGUFWriter for a vision projector with the keys every clip.cpp projector reads."""
     import gguf
-    import numpy as np
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(spec.seed)
-    d, ff, p = spec.n_embd, spec.n_ff, spec.patch_size
-    n_pos = spec.n_image_tokens
-
-    def normal(shape: tuple[int, ...], std: float) -> Any:
-        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
-
-    def zeros(n: int) -> Any:
-        return np.zeros(n, dtype=np.float32)
-
-    def ones(n: int) -> Any:
-        return np.ones(n, dtype=np.float32)
-
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), "clip")
-    w.add_name("llama-sidecar tiny mmproj random")
+    w.add_name(name)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_bool("clip.has_vision_encoder", True)
-    w.add_string("clip.projector_type", "mlp")
+    w.add_string("clip.projector_type", projector)
     w.add_uint32("clip.vision.embedding_length", d)
     w.add_uint32("clip.vision.feed_forward_length", ff)
-    w.add_uint32("clip.vision.block_count", spec.n_layer)
-    w.add_uint32("clip.vision.projection_dim", spec.n_embd_text)
-    w.add_uint32("clip.vision.attention.head_count", spec.n_head)
-    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-5)
-    w.add_uint32("clip.vision.image_size", spec.image_size)
-    w.add_uint32("clip.vision.patch_size", p)
+    w.add_uint32("clip.vision.block_count", n_layer)
+    w.add_uint32("clip.vision.projection_dim", n_embd_text)
+    w.add_uint32("clip.vision.attention.head_count", n_head)
+    w.add_float32("clip.vision.attention.layer_norm_epsilon", eps)
+    w.add_uint32("clip.vision.image_size", image_size)
+    w.add_uint32("clip.vision.patch_size", patch_size)
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    return w
 
-    # numpy shapes are ggml's ne reversed: the patch convolution's kernel is ne [p, p, 3, d]
-    w.add_tensor("v.patch_embd.weight", normal((d, 3, p, p), (3 * p * p) ** -0.5))
-    w.add_tensor("v.patch_embd.bias", zeros(d))
-    w.add_tensor("v.position_embd.weight", normal((n_pos, d), 0.1))
-    for i in range(spec.n_layer):
+
+def _add_encoder_blocks(w: Any, init: _Init, n_layer: int, d: int, ff: int) -> None:
+    """The ViT blocks: pre-norms, attention and a two-layer MLP, all with biases."""
+    for i in range(n_layer):
         blk = f"v.blk.{i}"
         for norm in ("ln1", "ln2"):
-            w.add_tensor(f"{blk}.{norm}.weight", ones(d))
-            w.add_tensor(f"{blk}.{norm}.bias", zeros(d))
+            w.add_tensor(f"{blk}.{norm}.weight", init.ones(d))
+            w.add_tensor(f"{blk}.{norm}.bias", init.zeros(d))
         for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.add_tensor(f"{blk}.{name}.weight", normal((d, d), d**-0.5))
-            w.add_tensor(f"{blk}.{name}.bias", zeros(d))
-        w.add_tensor(f"{blk}.ffn_up.weight", normal((ff, d), d**-0.5))
-        w.add_tensor(f"{blk}.ffn_up.bias", zeros(ff))
-        w.add_tensor(f"{blk}.ffn_down.weight", normal((d, ff), ff**-0.5))
-        w.add_tensor(f"{blk}.ffn_down.bias", zeros(d))
+            w.add_tensor(f"{blk}.{name}.weight", init.normal((d, d), d**-0.5))
+            w.add_tensor(f"{blk}.{name}.bias", init.zeros(d))
+        w.add_tensor(f"{blk}.ffn_up.weight", init.normal((ff, d), d**-0.5))
+        w.add_tensor(f"{blk}.ffn_up.bias", init.zeros(ff))
+        w.add_tensor(f"{blk}.ffn_down.weight", init.normal((d, ff), ff**-0.5))
+        w.add_tensor(f"{blk}.ffn_down.bias", init.zeros(d))
+
+
+def write_mmproj(path: str | os.PathLike[str], spec: MmprojSpec = MmprojSpec()) -> Path:
+    """Write the projector described by `spec` to `path` (atomically) and return the path."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    init = _Init(spec.seed)
+    d, ff, p = spec.n_embd, spec.n_ff, spec.patch_size
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    w = _clip_writer(tmp, "llama-sidecar tiny mmproj random", "mlp", d=d, ff=ff,
+                     n_layer=spec.n_layer, n_embd_text=spec.n_embd_text, n_head=spec.n_head,
+                     eps=1e-5, image_size=spec.image_size, patch_size=p)
+
+    # numpy shapes are ggml's ne reversed: the patch convolution's kernel is ne [p, p, 3, d]
+    w.add_tensor("v.patch_embd.weight", init.normal((d, 3, p, p), (3 * p * p) ** -0.5))
+    w.add_tensor("v.patch_embd.bias", init.zeros(d))
+    w.add_tensor("v.position_embd.weight", init.normal((spec.n_image_tokens, d), 0.1))
+    _add_encoder_blocks(w, init, spec.n_layer, d, ff)
     # the LLaVA MLP: mm.0 (d -> n_proj), GELU, mm.2 (n_proj -> the text model's n_embd); the
     # output rows get the spread of the text model's token embeddings (std 1)
-    w.add_tensor("mm.0.weight", normal((spec.n_proj, d), d**-0.5))
-    w.add_tensor("mm.0.bias", zeros(spec.n_proj))
-    w.add_tensor("mm.2.weight", normal((spec.n_embd_text, spec.n_proj), 2 * spec.n_proj**-0.5))
-    w.add_tensor("mm.2.bias", zeros(spec.n_embd_text))
+    w.add_tensor("mm.0.weight", init.normal((spec.n_proj, d), d**-0.5))
+    w.add_tensor("mm.0.bias", init.zeros(spec.n_proj))
+    w.add_tensor("mm.2.weight",
+                 init.normal((spec.n_embd_text, spec.n_proj), 2 * spec.n_proj**-0.5))
+    w.add_tensor("mm.2.bias", init.zeros(spec.n_embd_text))
     return save_model(w, tmp, path)
 
 
@@ -175,7 +199,7 @@ def write_qwen2vl_text(path: str | os.PathLike[str], n_embd: int = 64, n_layer: 
     import gguf
     import numpy as np
 
-    from tests.support.tinymodel import _vocab, add_vocab
+    from tests.support.tinymodel import _vocab, add_llama_tensors, add_vocab
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -185,7 +209,6 @@ def write_qwen2vl_text(path: str | os.PathLike[str], n_embd: int = 64, n_layer: 
     def normal(shape: tuple[int, ...], std: float) -> Any:
         return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
 
-    ones = np.ones(d, dtype=np.float32)
     tmp = path.with_suffix(f".tmp{os.getpid()}")
     w = gguf.GGUFWriter(str(tmp), "qwen2vl")
     w.add_name("llama-sidecar tiny qwen2vl random")
@@ -204,17 +227,7 @@ def write_qwen2vl_text(path: str | os.PathLike[str], n_embd: int = 64, n_layer: 
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     add_vocab(w)
 
-    w.add_tensor("token_embd.weight", normal((n_vocab, d), 1.0))
-    for i in range(n_layer):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
-        for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            w.add_tensor(f"blk.{i}.{name}.weight", normal((d, d), d**-0.5))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", ones)
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", normal((n_ff, d), d**-0.5))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", normal((n_ff, d), d**-0.5))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", normal((d, n_ff), n_ff**-0.5))
-    w.add_tensor("output_norm.weight", ones)
-    w.add_tensor("output.weight", normal((n_vocab, d), 1.0))
+    add_llama_tensors(w, normal, n_vocab, d, n_ff, n_layer)
     return save_model(w, tmp, path)
 
 
@@ -222,61 +235,25 @@ def write_qwen2vl_mmproj(path: str | os.PathLike[str], n_embd_text: int = 64, n_
                          n_head: int = 4, n_ff: int = 48, n_layer: int = 2, n_proj: int = 96,
                          patch_size: int = 8, seed: int = 78) -> Path:
     """A tiny random "qwen2vl_merger" projector whose output rows have `n_embd_text` values."""
-    import gguf
-    import numpy as np
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
+    init = _Init(seed)
     d, ff, p = n_embd, n_ff, patch_size
     assert (d // n_head) % 4 == 0, "the encoder's M-RoPE splits a head in four sections"
-
-    def normal(shape: tuple[int, ...], std: float) -> Any:
-        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
-
-    def zeros(n: int) -> Any:
-        return np.zeros(n, dtype=np.float32)
-
-    def ones(n: int) -> Any:
-        return np.ones(n, dtype=np.float32)
-
     tmp = path.with_suffix(f".tmp{os.getpid()}")
-    w = gguf.GGUFWriter(str(tmp), "clip")
-    w.add_name("llama-sidecar tiny qwen2vl mmproj random")
-    w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    w.add_bool("clip.has_vision_encoder", True)
-    w.add_string("clip.projector_type", "qwen2vl_merger")
-    w.add_uint32("clip.vision.embedding_length", d)
-    w.add_uint32("clip.vision.feed_forward_length", ff)
-    w.add_uint32("clip.vision.block_count", n_layer)
-    w.add_uint32("clip.vision.projection_dim", n_embd_text)
-    w.add_uint32("clip.vision.attention.head_count", n_head)
-    w.add_float32("clip.vision.attention.layer_norm_epsilon", 1e-6)
-    w.add_uint32("clip.vision.image_size", 560)  # only a warmup size here
-    w.add_uint32("clip.vision.patch_size", p)
-    w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
-    w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
+    w = _clip_writer(tmp, "llama-sidecar tiny qwen2vl mmproj random", "qwen2vl_merger", d=d,
+                     ff=ff, n_layer=n_layer, n_embd_text=n_embd_text, n_head=n_head, eps=1e-6,
+                     image_size=560, patch_size=p)  # the image size is only a warmup size here
 
     # two patch convolutions (Qwen2-VL's temporal pair of frames), no bias, no position table
-    w.add_tensor("v.patch_embd.weight", normal((d, 3, p, p), (3 * p * p) ** -0.5))
-    w.add_tensor("v.patch_embd.weight.1", normal((d, 3, p, p), (3 * p * p) ** -0.5))
-    for i in range(n_layer):
-        blk = f"v.blk.{i}"
-        for norm in ("ln1", "ln2"):
-            w.add_tensor(f"{blk}.{norm}.weight", ones(d))
-            w.add_tensor(f"{blk}.{norm}.bias", zeros(d))
-        for name in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            w.add_tensor(f"{blk}.{name}.weight", normal((d, d), d**-0.5))
-            w.add_tensor(f"{blk}.{name}.bias", zeros(d))
-        w.add_tensor(f"{blk}.ffn_up.weight", normal((ff, d), d**-0.5))
-        w.add_tensor(f"{blk}.ffn_up.bias", zeros(ff))
-        w.add_tensor(f"{blk}.ffn_down.weight", normal((d, ff), ff**-0.5))
-        w.add_tensor(f"{blk}.ffn_down.bias", zeros(d))
-    w.add_tensor("v.post_ln.weight", ones(d))
-    w.add_tensor("v.post_ln.bias", zeros(d))
+    w.add_tensor("v.patch_embd.weight", init.normal((d, 3, p, p), (3 * p * p) ** -0.5))
+    w.add_tensor("v.patch_embd.weight.1", init.normal((d, 3, p, p), (3 * p * p) ** -0.5))
+    _add_encoder_blocks(w, init, n_layer, d, ff)
+    w.add_tensor("v.post_ln.weight", init.ones(d))
+    w.add_tensor("v.post_ln.bias", init.zeros(d))
     # the merger: each 2x2 group of patches (4 * d values) -> n_proj -> the text model's n_embd
-    w.add_tensor("mm.0.weight", normal((n_proj, 4 * d), (4 * d) ** -0.5))
-    w.add_tensor("mm.0.bias", zeros(n_proj))
-    w.add_tensor("mm.2.weight", normal((n_embd_text, n_proj), 2 * n_proj**-0.5))
-    w.add_tensor("mm.2.bias", zeros(n_embd_text))
+    w.add_tensor("mm.0.weight", init.normal((n_proj, 4 * d), (4 * d) ** -0.5))
+    w.add_tensor("mm.0.bias", init.zeros(n_proj))
+    w.add_tensor("mm.2.weight", init.normal((n_embd_text, n_proj), 2 * n_proj**-0.5))
+    w.add_tensor("mm.2.bias", init.zeros(n_embd_text))
     return save_model(w, tmp, path)

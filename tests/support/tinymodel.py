@@ -116,9 +116,19 @@ def write_model(path: str | os.PathLike[str], spec: TinySpec = SPECS["tiny"]) ->
     )
     add_vocab(w)
 
+    add_llama_tensors(w, normal, n_vocab, d, ff, spec.n_layer)
+    return save_model(w, tmp, path)
+
+
+def add_llama_tensors(w: Any, normal: Callable[[tuple[int, ...], float], Any], n_vocab: int,
+                      d: int, ff: int, n_layer: int) -> None:
+    """The tensors of a llama-style decoder (also Qwen2-VL's text model), drawn in a fixed
+    order from `normal(shape, std)`: the same generator gives the same model."""
+    import numpy as np
+
     ones = np.ones(d, dtype=np.float32)
     w.add_tensor("token_embd.weight", normal((n_vocab, d), 1.0))
-    for i in range(spec.n_layer):
+    for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", ones)
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
             w.add_tensor(f"blk.{i}.{name}.weight", normal((d, d), d**-0.5))
@@ -129,8 +139,6 @@ def write_model(path: str | os.PathLike[str], spec: TinySpec = SPECS["tiny"]) ->
     w.add_tensor("output_norm.weight", ones)
     # Spread logits far apart (std ~ sqrt(d)): greedy picks never sit on a near-tie.
     w.add_tensor("output.weight", normal((n_vocab, d), 1.0))
-
-    return save_model(w, tmp, path)
 
 
 def save_model(w: Any, tmp: Path, path: Path) -> Path:
