@@ -64,6 +64,13 @@ FAIL_SAVE = {"LLAMA_SERVER_PREEMPT_FAIL_SAVE": "1"}
 EVERY_8 = {"LLAMA_SERVER_PREEMPT_EVERY": "8"}
 PLANNER_OFF = {"LLAMA_SERVER_PREEMPT_PLANNER": "off"}
 IMAGE_W, IMAGE_H = 128, 48
+# The CPU flash-attention kernel (on by default, -fa auto) gives results that depend on the batch
+# shape: a prompt split into other ubatches, or a generation step decoded alone instead of beside
+# another slot's prompt chunk, moves the top-two logprob gap by up to ~0.011 here, with or
+# without a park (stock llama-server, solo vs two prompts together at -c 512: up to 0.006; with
+# -fa off, 2e-4 at most). Prompts whose solo answer must survive such a change keep their gaps
+# above it.
+FA_NOISE_GAP = 0.05
 
 
 @dataclass(frozen=True)
@@ -295,9 +302,7 @@ def test_generations_overflowing_together_beside_an_mmproj(start_server: StartSe
 @pytest.mark.parametrize("planner", ["on", "off"])
 def test_image_prompts_prefilled_in_chunks_overflowing_together(start_server: StartServer,
                                                                 pair: Pair, planner: str,
-                                                                image_first: bool,
-                                                                request: pytest.FixtureRequest
-                                                                ) -> None:
+                                                                image_first: bool) -> None:
     """Two long prompts with an image each, prefilled in 64-token batches, that fit the pool one
     at a time but not together. The batch builder decodes an image chunk on its own, on top of
     the batch: the planner must make room for it too (issue 10 item 5), or the image's decode
@@ -305,25 +310,15 @@ def test_image_prompts_prefilled_in_chunks_overflowing_together(start_server: St
     meets a prompt in progress whose cells hold an image, and its rewind must not cut the image
     (with M-RoPE a cut counted in positions lands inside an image: it threw out of decode() and
     ended every slot). Both requests finish with their solo answers."""
-    if pair.name == "qwen2vl" and planner == "on" and image_first:
-        # An open defect, not understood yet: the planner parks A mid-prompt (89 of 177 cells, A
-        # comes back identical) and B, never parked, generating alone while A waits, leaves its
-        # solo answer at token 15. Only with M-RoPE, B's image first and flash attention on:
-        # with -fa off B matches, and so do the llava pair, text prompts, B's image last and the
-        # same run without a park (-c 512); a recompute park and F32 KV diverge the same way.
-        request.applymarker(pytest.mark.xfail(
-            reason="M-RoPE + flash attention: an unparked image-first neighbour of a "
-                   "prompt-phase park diverges",
-            strict=False))
     srv = start_server(model=pair.text,
                        args=pair.args("-c", "256", "-np", "2", "-b", "64", "-ub", "64"),
                        env={} if planner == "on" else PLANNER_OFF)
     n_words = (30, 20) if pair.name == "llava" else (24, 14)
     prompts = [
         *robust_picture_prompts(srv.url, 1, 40, first_seed=20, n_words=n_words[0],
-                                image_first=image_first),
+                                image_first=image_first, min_gap=FA_NOISE_GAP),
         *robust_picture_prompts(srv.url, 1, 40, first_seed=30, n_words=n_words[1],
-                                image_first=image_first),
+                                image_first=image_first, min_gap=FA_NOISE_GAP),
     ]
     solo = [complete(srv.url, p, 40) for p in prompts]
     sizes = [c.timings["prompt_n"] for c in solo]
