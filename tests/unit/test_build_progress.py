@@ -99,8 +99,9 @@ def test_one_progress_line_and_the_full_log_in_the_cache(tmp_path: Path) -> None
     assert binary.is_file()
     assert binary.parent.parent == cache / "bin"
     assert "Building C object" not in proc.stderr  # no compiler lines on the terminal
-    # The progress line, printed although the log had no percentage at the first look.
-    assert re.search(r"compiling patched llama-server: +\d+%  0m0\ds elapsed", proc.stderr), (
+    # The progress line, printed although the log had no percentage at the first look. Its
+    # elapsed time is not asserted: on a loaded machine the first line came 26 s in.
+    assert re.search(r"compiling patched llama-server: +\d+%  \d+m\d\ds elapsed", proc.stderr), (
         proc.stderr
     )
     assert re.search(r"compiled in \dm\d\ds", proc.stderr), proc.stderr
