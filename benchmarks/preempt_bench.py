@@ -237,7 +237,7 @@ def wide_model() -> Path:
     import numpy as np
 
     # the generated models' vocabulary
-    from tests.support.tinymodel import _vocab, add_vocab, save_model
+    from tests.support.tinymodel import _vocab, add_vocab, open_writer, save_model, seeded_normal
 
     w_ = WIDE
     path = (
@@ -250,16 +250,11 @@ def wide_model() -> Path:
     )
     if path.exists():
         return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(w_["seed"])
+    normal = seeded_normal(w_["seed"], np.float16)
     d, hd, nh, ff = w_["n_embd"], w_["head_dim"], w_["n_head"], w_["n_ff"]
     n_vocab = len(_vocab()[0])
 
-    def normal(shape: tuple[int, ...], std: float, dtype: Any = np.float16) -> Any:
-        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype)
-
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w, tmp = open_writer(path, "llama")
     w.add_name("llama-sidecar widekv random")
     w.add_context_length(65536)
     w.add_embedding_length(d)

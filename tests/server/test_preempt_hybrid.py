@@ -11,7 +11,6 @@ the pool together both finish with their solo answers.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,14 @@ from sidecar.paths import cache_dir
 from tests.conftest import StartServer
 from tests.server.preempt_helpers import BASE, PARK, complete, token_prompt
 from tests.server.test_preempt_kv import assert_same, assert_settled, solo_then_together
-from tests.support.tinymodel import _vocab, add_vocab, cached, save_model
+from tests.support.tinymodel import (
+    _vocab,
+    add_vocab,
+    cached,
+    open_writer,
+    save_model,
+    seeded_normal,
+)
 
 pytestmark = [pytest.mark.server]
 
@@ -32,18 +38,14 @@ def write_jamba(path: Path, layers: str = "ma", n_embd: int = 64, n_head: int = 
     import gguf
     import numpy as np
 
-    rng = np.random.default_rng(seed)
+    normal = seeded_normal(seed)
     n_vocab, d = len(_vocab()[0]), n_embd
     d_inner, d_state, d_conv, dt_rank = 2 * d, 16, 4, 8  # Jamba needs d_inner == 2 * n_embd
-
-    def normal(shape: tuple[int, ...], std: float) -> Any:
-        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
 
     def ones(n: int) -> Any:
         return np.ones(n, dtype=np.float32)
 
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    w = gguf.GGUFWriter(str(tmp), "jamba")
+    w, tmp = open_writer(path, "jamba")
     w.add_name("llama-sidecar tiny jamba random")
     w.add_context_length(4096)
     w.add_embedding_length(d)

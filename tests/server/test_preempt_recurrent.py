@@ -12,7 +12,6 @@ are covered by test_preempt_hybrid.py.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -21,7 +20,14 @@ from sidecar.paths import cache_dir
 from tests.conftest import StartServer
 from tests.server.preempt_helpers import BASE, PARK, metrics, token_prompt, wait_settled
 from tests.server.test_preempt_defects import assert_complete, body, streamed
-from tests.support.tinymodel import _vocab, add_vocab, cached, save_model
+from tests.support.tinymodel import (
+    _vocab,
+    add_vocab,
+    cached,
+    open_writer,
+    save_model,
+    seeded_normal,
+)
 
 pytestmark = [pytest.mark.server]
 
@@ -31,15 +37,11 @@ def write_mamba(path: Path, n_embd: int = 64, n_layer: int = 2, seed: int = 99) 
     import gguf
     import numpy as np
 
-    rng = np.random.default_rng(seed)
+    normal = seeded_normal(seed)
     n_vocab, d = len(_vocab()[0]), n_embd
     d_inner, d_state, d_conv, dt_rank = 2 * d, 16, 4, 8
 
-    def normal(shape: tuple[int, ...], std: float) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
-
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    w = gguf.GGUFWriter(str(tmp), "mamba")
+    w, tmp = open_writer(path, "mamba")
     w.add_name("llama-sidecar tiny mamba random")
     w.add_context_length(4096)
     w.add_embedding_length(d)

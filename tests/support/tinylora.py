@@ -18,7 +18,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from tests.support.tinymodel import SPECS, TinySpec, save_model
+from tests.support.tinymodel import SPECS, TinySpec, open_writer, save_model, seeded_normal
 
 TARGETS = ("attn_q", "attn_k", "attn_v")
 
@@ -35,15 +35,12 @@ def write_lora(
     """Write an adapter for the model of `spec` to `path`: a plain LoRA, or an aLoRA when
     `invocation_tokens` is given. Atomic like the model writers; returns the path."""
     import gguf
-    import numpy as np
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
+    normal = seeded_normal(seed)
     d = spec.n_embd
 
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    w, tmp = open_writer(path, "llama")
     w.add_type(gguf.GGUFType.ADAPTER)
     w.add_string(gguf.Keys.Adapter.TYPE, "lora")
     w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, alpha)
@@ -56,8 +53,6 @@ def write_lora(
         )
     for i in range(spec.n_layer):
         for name in TARGETS:
-            a = rng.standard_normal((rank, d), dtype=np.float32) * d**-0.5
-            b = rng.standard_normal((d, rank), dtype=np.float32) * rank**-0.5
-            w.add_tensor(f"blk.{i}.{name}.weight.lora_a", a)
-            w.add_tensor(f"blk.{i}.{name}.weight.lora_b", b)
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_a", normal((rank, d), d**-0.5))
+            w.add_tensor(f"blk.{i}.{name}.weight.lora_b", normal((d, rank), rank**-0.5))
     return save_model(w, tmp, path)

@@ -40,7 +40,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tests.support.tinymodel import save_model
+from tests.support.tinymodel import (
+    _vocab,
+    add_llama_tensors,
+    add_vocab,
+    open_writer,
+    save_model,
+    seeded_normal,
+)
 
 
 @dataclass(frozen=True)
@@ -76,11 +83,7 @@ class _Init:
         import numpy as np
 
         self.np = np
-        self.rng = np.random.default_rng(seed)
-
-    def normal(self, shape: tuple[int, ...], std: float) -> Any:
-        return (self.rng.standard_normal(shape, dtype=self.np.float32) * std).astype(
-            self.np.float32)
+        self.normal = seeded_normal(seed)
 
     def zeros(self, n: int) -> Any:
         return self.np.zeros(n, dtype=self.np.float32)
@@ -89,13 +92,14 @@ class _Init:
         return self.np.ones(n, dtype=self.np.float32)
 
 
-def _clip_writer(tmp: Path, name: str, projector: str, *, d: int, ff: int, n_layer: int,
+def _clip_writer(path: Path, name: str, projector: str, *, d: int, ff: int, n_layer: int,
                  n_embd_text: int, n_head: int, eps: float, image_size: int,
-                 patch_size: int) -> Any:
-    """A GGUFWriter for a vision projector with the keys every clip.cpp projector reads."""
+                 patch_size: int) -> tuple[Any, Path]:
+    """A GGUFWriter for a vision projector with the keys every clip.cpp projector reads, on
+    a temporary file beside `path` (see open_writer())."""
     import gguf
 
-    w = gguf.GGUFWriter(str(tmp), "clip")
+    w, tmp = open_writer(path, "clip")
     w.add_name(name)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     w.add_bool("clip.has_vision_encoder", True)
@@ -110,7 +114,7 @@ def _clip_writer(tmp: Path, name: str, projector: str, *, d: int, ff: int, n_lay
     w.add_uint32("clip.vision.patch_size", patch_size)
     w.add_array("clip.vision.image_mean", [0.5, 0.5, 0.5])
     w.add_array("clip.vision.image_std", [0.5, 0.5, 0.5])
-    return w
+    return w, tmp
 
 
 def _add_encoder_blocks(w: Any, init: _Init, n_layer: int, d: int, ff: int) -> None:
@@ -132,11 +136,9 @@ def _add_encoder_blocks(w: Any, init: _Init, n_layer: int, d: int, ff: int) -> N
 def write_mmproj(path: str | os.PathLike[str], spec: MmprojSpec = MmprojSpec()) -> Path:
     """Write the projector described by `spec` to `path` (atomically) and return the path."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     init = _Init(spec.seed)
     d, ff, p = spec.n_embd, spec.n_ff, spec.patch_size
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    w = _clip_writer(tmp, "llama-sidecar tiny mmproj random", "mlp", d=d, ff=ff,
+    w, tmp = _clip_writer(path, "llama-sidecar tiny mmproj random", "mlp", d=d, ff=ff,
                      n_layer=spec.n_layer, n_embd_text=spec.n_embd_text, n_head=spec.n_head,
                      eps=1e-5, image_size=spec.image_size, patch_size=p)
 
@@ -197,20 +199,11 @@ def write_qwen2vl_text(path: str | os.PathLike[str], n_embd: int = 64, n_layer: 
                        n_head: int = 4, n_ff: int = 128, seed: int = 77) -> Path:
     """A tiny random Qwen2-VL text model with the shared test vocabulary."""
     import gguf
-    import numpy as np
-
-    from tests.support.tinymodel import _vocab, add_llama_tensors, add_vocab
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
+    normal = seeded_normal(seed)
     n_vocab, d, head_dim = len(_vocab()[0]), n_embd, n_embd // n_head
-
-    def normal(shape: tuple[int, ...], std: float) -> Any:
-        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(np.float32)
-
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    w = gguf.GGUFWriter(str(tmp), "qwen2vl")
+    w, tmp = open_writer(path, "qwen2vl")
     w.add_name("llama-sidecar tiny qwen2vl random")
     w.add_context_length(4096)
     w.add_embedding_length(d)
@@ -236,12 +229,10 @@ def write_qwen2vl_mmproj(path: str | os.PathLike[str], n_embd_text: int = 64, n_
                          patch_size: int = 8, seed: int = 78) -> Path:
     """A tiny random "qwen2vl_merger" projector whose output rows have `n_embd_text` values."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     init = _Init(seed)
     d, ff, p = n_embd, n_ff, patch_size
     assert (d // n_head) % 4 == 0, "the encoder's M-RoPE splits a head in four sections"
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    w = _clip_writer(tmp, "llama-sidecar tiny qwen2vl mmproj random", "qwen2vl_merger", d=d,
+    w, tmp = _clip_writer(path, "llama-sidecar tiny qwen2vl mmproj random", "qwen2vl_merger", d=d,
                      ff=ff, n_layer=n_layer, n_embd_text=n_embd_text, n_head=n_head, eps=1e-6,
                      image_size=560, patch_size=p)  # the image size is only a warmup size here
 

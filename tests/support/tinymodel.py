@@ -91,17 +91,11 @@ def write_model(path: str | os.PathLike[str], spec: TinySpec = SPECS["tiny"]) ->
     import numpy as np
 
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(spec.seed)
     n_vocab, d, ff = len(_vocab()[0]), spec.n_embd, spec.n_ff
     head_dim = d // spec.n_head
     dtype = np.float32 if d <= 256 else np.float16
-
-    def normal(shape: tuple[int, ...], std: float) -> npt.NDArray[Any]:
-        return (rng.standard_normal(shape, dtype=np.float32) * std).astype(dtype)
-
-    tmp = path.with_suffix(f".tmp{os.getpid()}")
-    w = gguf.GGUFWriter(str(tmp), "llama")
+    normal = seeded_normal(spec.seed, dtype)
+    w, tmp = open_writer(path, "llama")
     w.add_name(f"llama-sidecar {spec.name} random")
     w.add_context_length(spec.n_ctx_train)
     w.add_embedding_length(d)
@@ -139,6 +133,33 @@ def add_llama_tensors(w: Any, normal: Callable[[tuple[int, ...], float], Any], n
     w.add_tensor("output_norm.weight", ones)
     # Spread logits far apart (std ~ sqrt(d)): greedy picks never sit on a near-tie.
     w.add_tensor("output.weight", normal((n_vocab, d), 1.0))
+
+
+def seeded_normal(seed: int, dtype: Any = None) -> Callable[..., npt.NDArray[Any]]:
+    """`normal(shape, std[, dtype])`: float32 draws from one generator seeded with `seed`, times
+    `std`, cast to `dtype` (the call's, else this one's, else float32). The same seed and the same
+    calls in the same order give the same tensors, which is what keeps every generated model
+    byte-identical from run to run."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    default = np.float32 if dtype is None else dtype
+
+    def normal(shape: tuple[int, ...], std: float, dtype: Any = None) -> npt.NDArray[Any]:
+        draw = rng.standard_normal(shape, dtype=np.float32) * std
+        return draw.astype(default if dtype is None else dtype)
+
+    return normal
+
+
+def open_writer(path: Path, arch: str) -> tuple[Any, Path]:
+    """A ``gguf.GGUFWriter`` for `arch` on a temporary file beside `path` (its folder made):
+    save_model(w, tmp, path) writes it and moves it into place."""
+    import gguf
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    return gguf.GGUFWriter(str(tmp), arch), tmp
 
 
 def save_model(w: Any, tmp: Path, path: Path) -> Path:
