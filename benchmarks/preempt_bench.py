@@ -15,7 +15,7 @@
 4. pressure: the first park of a busy period under real pressure (no forced parks): two chats
              on the wide-KV model overflow the pool together and the planner parks the smaller
              (~0.95 GiB); its rate against a memcpy, whether it took a block prefaulted in the
-             background (patch 0008), and the other stream's stall; `--before BIN` as for swap.
+             background (patch 0012), and the other stream's stall; `--before BIN` as for swap.
 
 Figures are ratios measured side by side in one run; the machine and its load change the
 absolute numbers. The binaries come from build_llama.sh (LLAMA_SERVER_BIN and
@@ -190,12 +190,26 @@ RESUME_RE = re.compile(r"state ([0-9.]+) MiB restored in ([0-9.]+) ms")
 BREAKDOWN_RE = re.compile(
     r"\(size ([0-9.]+) ms, block ([0-9.]+) ms, copy ([0-9.]+) ms, release ([0-9.]+) ms\)"
 )
-# patch 0008: a block faulted in by a background thread before the park that takes it
+# patch 0012: a block faulted in by a background thread before the park that takes it
 PREFAULTED_RE = re.compile(
     r"prefaulted plain block of ([0-9.]+) MiB in ([0-9.]+) ms \(background"
     r"(?:, the park waited ([0-9.]+) ms for its last part)?\)"
 )
 TAKES_PREFAULTED = "the park takes the prefaulted plain block"
+
+
+def prefault_fields(log: str) -> dict[str, Any]:
+    """Patch 0012 in a server log: whether the first park took a block prefaulted in the
+    background, and every prefault (its size, time, and how long a park waited for it)."""
+    lines = log.splitlines()
+    first_park = next(i for i, ln in enumerate(lines) if PARK_RE.search(ln))
+    return {
+        "first_park_prefaulted": any(TAKES_PREFAULTED in ln for ln in lines[:first_park]),
+        "prefaults": [
+            {"mib": float(m), "ms": float(t), "park_waited_ms": float(w) if w else 0.0}
+            for m, t, w in PREFAULTED_RE.findall(log)
+        ],
+    }
 
 
 def memcpy_mib_s(n_mib: float, repeat: int = 5, cold: bool = False) -> float:
@@ -319,8 +333,6 @@ def swap_case(
     log = srv.log_text()
     srv.stop()
     parks = [(float(x), float(y)) for x, y in PARK_RE.findall(log)]
-    lines = log.splitlines()
-    first_park = next(i for i, ln in enumerate(lines) if PARK_RE.search(ln))
     resumes = [(float(x), float(y)) for x, y in RESUME_RE.findall(log)]
     gaps = [
         t1 - t0 for t0, t1 in zip(a.t_events[1:], a.t_events[2:], strict=False)
@@ -332,12 +344,7 @@ def swap_case(
             for m in BREAKDOWN_RE.findall(log)
         ],
         "resumes": resumes,
-        # 0008: did B's first park take a block prefaulted in the background (and wait for it)?
-        "first_park_prefaulted": any(TAKES_PREFAULTED in ln for ln in lines[:first_park]),
-        "prefaults": [
-            {"mib": float(m), "ms": float(t), "park_waited_ms": float(w) if w else 0.0}
-            for m, t, w in PREFAULTED_RE.findall(log)
-        ],
+        **prefault_fields(log),  # did B's first park take a prefaulted block (and wait for it)?
         "a_gaps_s": gaps,
         "stall_steps": max(gaps) / statistics.median(gaps),
     }
@@ -429,11 +436,7 @@ def pressure_case(servers: Servers, binary_path: Path, model: Path) -> dict[str,
         "park_ms": ms,
         "park_mib_s": mib / (ms / 1e3),
         "park_breakdown_ms": breakdown.groups() if breakdown else None,
-        "first_park_prefaulted": any(TAKES_PREFAULTED in ln for ln in lines[:first_park]),
-        "prefaults": [
-            {"mib": float(m), "ms": float(t), "park_waited_ms": float(w) if w else 0.0}
-            for m, t, w in PREFAULTED_RE.findall(log)
-        ],
+        **prefault_fields(log),
         "b_step_median_ms": 1e3 * statistics.median(gaps),
         "b_gap_max_ms": 1e3 * max(gaps),
         "stall_steps": max(gaps) / statistics.median(gaps),
