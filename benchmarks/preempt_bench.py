@@ -186,7 +186,7 @@ def bench_overload(servers: Servers, model: Path, n_predict: int) -> dict[str, A
 
 PARK_RE = re.compile(r"state ([0-9.]+) MiB saved to host RAM in ([0-9.]+) ms")
 RESUME_RE = re.compile(r"state ([0-9.]+) MiB restored in ([0-9.]+) ms")
-# patch 0006 and later: where a park's time went
+# patch 0010 and later: where a park's time went
 BREAKDOWN_RE = re.compile(
     r"\(size ([0-9.]+) ms, block ([0-9.]+) ms, copy ([0-9.]+) ms, release ([0-9.]+) ms\)"
 )

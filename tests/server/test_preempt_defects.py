@@ -154,7 +154,7 @@ def test_an_n_cmpl_family_does_not_block_parking(start_server: StartServer,
 @pytest.mark.parametrize("preempt", [False, True], ids=["preempt-off", "preempt-on"])
 def test_n_cmpl_child_with_stale_cells(start_server: StartServer, preempt: bool) -> None:
     """An n_cmpl child given a slot that still caches the previous request's cells. Stock
-    llama-server answers "Invalid input batch." (500); the series fixes it (patch 0004)."""
+    llama-server answers "Invalid input batch." (500); the series fixes it (patch 0008)."""
     args = [*BASE, "-c", "256", "-np", "2", "-b", "512", "-ub", "512"]
     srv = start_server(args=[*args, *(PARK if preempt else [])])
     first = streamed(srv.url, body(token_prompt(8, 3), 248, cache_prompt=True))

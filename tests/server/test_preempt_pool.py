@@ -1,4 +1,4 @@
-"""Patches 0006 and 0008: parked states live in a reused host buffer pool (issue 11).
+"""Patches 0010 and 0012: parked states live in a reused host buffer pool (issue 11).
 
 A park serializes the slot's sequence into a block of a pool owned by the preemption mechanism
 (pre-faulted, pinned on builds with a GPU device) instead of a fresh allocation; the block goes
@@ -8,7 +8,7 @@ model), what the pool promises (reuse, never above `--preempt-ram`, nothing held
 its failure path (a block that cannot be allocated means a recompute park, logged). No timing is
 asserted: the speed is measured by `benchmarks/preempt_bench.py --only swap`.
 
-Patch 0008: when a park is likely soon (a forced park is coming, or the pool is filling and the
+Patch 0012: when a park is likely soon (a forced park is coming, or the pool is filling and the
 planner has a victim), a background thread faults in a block for it beforehand, so that the
 first park of a busy period does not fault in its block on the main loop. The prefaulted block
 is an ordinary pool block once adopted: it counts toward `--preempt-ram` and the gauge, and it
@@ -122,7 +122,7 @@ def test_forced_parks_through_the_pool_change_nothing(
     assert got.preempt["recomputes"] == 0, got.preempt
     m, log = settled_log(forced)
     # a tiny model's state (target and draft) fits one 2 MiB block: it is prefaulted before the
-    # first park (0008), which takes it, and every later park reuses it
+    # first park (0012), which takes it, and every later park reuses it
     pool_lines = [ln for ln in log.splitlines() if "host pool" in ln]
     assert log.count(PREFAULTED_LINE) == 1, pool_lines
     assert NEW_BLOCK_LINE not in log, pool_lines
@@ -229,7 +229,7 @@ def test_failed_pool_allocation_parks_by_recompute(start_server: StartServer) ->
 def test_a_growing_state_grows_its_block(start_server: StartServer, slow_model: Path) -> None:
     # slow model, ~24 KiB per cell: parked every 8 tokens from 72 to 128 cells, the state outgrows
     # its first block (1.7 MiB + 1/8 -> 2 MiB); the cached block grows instead of a new one. The
-    # background prefault (0008) is off: it would size the block for the coming parks itself
+    # background prefault (0012) is off: it would size the block for the coming parks itself
     args = [*BASE, *PARK, "-c", "512", "-np", "2"]
     plain = start_server(model=slow_model, args=args)
     forced = start_server(
