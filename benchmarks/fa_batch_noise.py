@@ -19,10 +19,16 @@ import argparse
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Any
 
 from sidecar.paths import cache_dir
-from tests.server.preempt_helpers import BASE, PARK, Completion, complete, complete_many
+from tests.server.preempt_helpers import (
+    BASE,
+    PARK,
+    Completion,
+    complete,
+    complete_many,
+    top2_gaps,
+)
 from tests.server.test_preempt_multimodal import robust_picture_prompts
 from tests.support.llama import LlamaServer
 from tests.support.tinymm import write_qwen2vl_mmproj, write_qwen2vl_text
@@ -40,8 +46,7 @@ def built(stock: bool) -> Path:
 
 def gaps(c: Completion) -> list[float]:
     assert c.final is not None, c.error
-    probs: list[dict[str, Any]] = c.final["completion_probabilities"]
-    return [p["top_logprobs"][0]["logprob"] - p["top_logprobs"][1]["logprob"] for p in probs]
+    return top2_gaps(c.final["completion_probabilities"])
 
 
 def run(binary: Path, patched: bool, fa: str) -> str:

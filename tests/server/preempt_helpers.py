@@ -384,6 +384,21 @@ def complete_many(
     return outs
 
 
+def top2_gaps(probs: list[dict[str, Any]]) -> list[float]:
+    """Per generated token, its top logprob minus the runner-up's (a response's
+    `completion_probabilities`, asked with n_probs >= 2)."""
+    return [p["top_logprobs"][0]["logprob"] - p["top_logprobs"][1]["logprob"] for p in probs]
+
+
+def tie_free(url: str, prompt: Any, n_predict: int, min_gap: float) -> bool:
+    """Whether `prompt`'s greedy continuation of `n_predict` tokens on `url` never has its top two
+    logprobs closer than `min_gap` (see robust_prompts())."""
+    body = completion_body(prompt, n_predict, stream=False, n_probs=2)
+    data = httpx.post(f"{url}/completion", json=body, timeout=120).json()
+    gaps = top2_gaps(data["completion_probabilities"])
+    return len(gaps) == n_predict and min(gaps) >= min_gap
+
+
 # prompts whose greedy path has no near-tie, per (count, length, n_predict, first_seed)
 _ROBUST: dict[tuple[int, int, int, int], list[list[int]]] = {}
 
@@ -409,13 +424,7 @@ def robust_prompts(
         )
         prompt = token_prompt(length, seed)
         seed += 1
-        body = completion_body(prompt, n_predict, stream=False, n_probs=2)
-        data = httpx.post(f"{url}/completion", json=body, timeout=120).json()
-        gaps = [
-            p["top_logprobs"][0]["logprob"] - p["top_logprobs"][1]["logprob"]
-            for p in data["completion_probabilities"]
-        ]
-        if len(gaps) == n_predict and min(gaps) >= min_gap:
+        if tie_free(url, prompt, n_predict, min_gap):
             out.append(prompt)
     _ROBUST[key] = out
     return out

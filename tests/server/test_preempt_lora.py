@@ -14,9 +14,7 @@ The adapters are random-weight ones for the generated tiny model (tests/support/
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
 from sidecar.paths import cache_dir
@@ -26,7 +24,7 @@ from tests.server.preempt_helpers import (
     PARK,
     Completion,
     complete,
-    completion_body,
+    tie_free,
     token_prompt,
 )
 from tests.server.test_preempt_kv import assert_same, assert_settled
@@ -66,11 +64,7 @@ def robust_invoked_prompt(url: str, first_seed: int = 0, min_gap: float = 0.02) 
     preempt_helpers.robust_prompts)."""
     for seed in range(first_seed, first_seed + 100):
         prompt = invoked_prompt(seed)
-        body = completion_body(prompt, N_PREDICT, stream=False, n_probs=2)
-        data: dict[str, Any] = httpx.post(f"{url}/completion", json=body, timeout=120).json()
-        gaps = [p["top_logprobs"][0]["logprob"] - p["top_logprobs"][1]["logprob"]
-                for p in data["completion_probabilities"]]
-        if len(gaps) == N_PREDICT and min(gaps) >= min_gap:
+        if tie_free(url, prompt, N_PREDICT, min_gap):
             return prompt
     raise AssertionError("no tie-free invoked prompt")
 

@@ -39,9 +39,9 @@ from tests.server.preempt_helpers import (
     PARK_LINE,
     complete,
     complete_many,
-    completion_body,
     count_lines,
     robust_prompts,
+    tie_free,
     wait_for,
 )
 from tests.server.test_preempt_kv import assert_same, assert_settled
@@ -139,12 +139,7 @@ def robust_picture_prompts(url: str, count: int, n_predict: int, first_seed: int
     if key not in _ROBUST:
         seeds: list[int] = []
         for seed in range(first_seed, first_seed + 100):
-            prompt = picture_prompt(url, seed, n_words, image_first)
-            body = completion_body(prompt, n_predict, stream=False, n_probs=2)
-            data = httpx.post(f"{url}/completion", json=body, timeout=120).json()
-            gaps = [p["top_logprobs"][0]["logprob"] - p["top_logprobs"][1]["logprob"]
-                    for p in data["completion_probabilities"]]
-            if len(gaps) == n_predict and min(gaps) >= min_gap:
+            if tie_free(url, picture_prompt(url, seed, n_words, image_first), n_predict, min_gap):
                 seeds.append(seed)
             if len(seeds) == count:
                 break
