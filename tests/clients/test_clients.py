@@ -26,6 +26,7 @@ import httpx
 import pytest
 
 from sidecar.supervise import server_supports
+from tests.support.llama import LlamaServer
 from tests.support.nginx import NGINX, Nginx, start_nginx
 from tests.support.up import UpProcess
 
@@ -38,12 +39,18 @@ pytestmark = [
 
 HERE = Path(__file__).resolve().parent
 NODE, NPM = shutil.which("node"), shutil.which("npm")
-READ_TIMEOUT_S = 1.0
-# Two chats of 300 tokens (plus ~60 of ChatML-wrapped prompt each) in a 384-cell pool: they
-# collide half way, and one waits parked while the other makes ~150 more tokens.
-POOL = ("--parallel", "2", "--ctx-size", "384", "--preempt-ram", "8192")
+# Two chats of 300 tokens after a prompt of 165 (ChatML-wrapped) in a 512-cell pool: they
+# collide after ~90 tokens each, and one waits parked while the other makes its last ~210
+# alone. The long prompt makes the park long without long generations, which drift from the
+# solo reply by batch-shape float noise (see docs/benchmarks.md); nginx's timeout follows the
+# machine's speed (park_timeouts()).
+POOL_CELLS = 512
+POOL = ("--parallel", "2", "--ctx-size", str(POOL_CELLS), "--preempt-ram", "8192")
 TOKENS = 300
-PROMPT = "Once upon a time"
+PROMPT = (
+    "Once upon a time, in a lighthouse at the edge of a cold grey sea, there lived a keeper "
+    "who wrote down every ship that passed. Tell me the rest."
+)
 STREAMS = 2
 COMMENT_WORDS = ("keepalive", "preempt", "resumed", "recomputed")
 
@@ -53,6 +60,7 @@ class Stack:
     up: UpProcess
     nginx: Nginx
     reference: str  # the text of a solo, unstreamed request straight to llama-server
+    read_timeout: float  # nginx's proxy_read_timeout, s (park_timeouts())
 
     def parks(self) -> list[float]:
         """Park lengths so far, from llama-server's log (`resumed after X s`)."""
@@ -69,6 +77,31 @@ def chat_body(stream: bool) -> dict[str, Any]:
     return body
 
 
+def park_timeouts(binary: Path, model: Path, tmp: Path) -> tuple[float, float]:
+    """(nginx's read timeout, the sidecar's keepalive interval) in seconds for this machine.
+
+    The parked chat waits while the other makes prompt + TOKENS - POOL_CELLS/2 tokens alone.
+    From a short solo request (its prompt length and speed) the timeout is a third of that
+    wait, between 0.5 s (above the time to the first token) and 1 s, so the park outlasts it
+    clearly; the sidecar's comments come four times per timeout. (A fixed 1 s timeout and a
+    short prompt let parks of 0.86 s through on a faster machine, and the test failed.)
+    """
+    probe = LlamaServer(binary, model, ["-c", "512", "-np", "1", "-t", "1"], {},
+                        log_path=tmp / "probe.log").start()  # fmt: skip
+    try:
+        body = {**chat_body(False), "max_tokens": 32}
+        r = httpx.post(probe.url + "/v1/chat/completions", json=body, timeout=120)
+    finally:
+        probe.stop()
+    assert r.status_code == 200, r.text
+    speed = float(r.json()["timings"]["predicted_per_second"])
+    prompt = int(r.json()["usage"]["prompt_tokens"])
+    assert prompt + TOKENS <= POOL_CELLS, f"a chat of {prompt} + {TOKENS} tokens cannot fit alone"
+    wait_s = (prompt + TOKENS - POOL_CELLS // 2) / speed
+    read_timeout = round(min(1.0, max(0.5, wait_s / 3)), 3)
+    return read_timeout, read_timeout / 4
+
+
 @pytest.fixture(scope="module")
 def stack(
     tmp_path_factory: pytest.TempPathFactory, llama_server_bin: Path, slow_model: Path
@@ -76,7 +109,9 @@ def stack(
     if not server_supports(llama_server_bin, "--preempt-ram"):
         pytest.fail(f"{llama_server_bin} has no --preempt-ram (not the patched build?)")
     tmp = tmp_path_factory.mktemp("clients")
-    env = {"LLAMA_SIDECAR_PARK_KEEPALIVE": "0.25", "LLAMA_SIDECAR_IDLE_KEEPALIVE": "0.25"}
+    read_timeout, keepalive = park_timeouts(llama_server_bin, slow_model, tmp)
+    env = {"LLAMA_SIDECAR_PARK_KEEPALIVE": f"{keepalive:g}",
+           "LLAMA_SIDECAR_IDLE_KEEPALIVE": f"{keepalive:g}"}  # fmt: skip
     up = UpProcess(["--server-bin", str(llama_server_bin), "--model", str(slow_model), *POOL,
                     "--ping-interval", "-1", "--", "-t", "1"], tmp / "up", env=env)  # fmt: skip
     up.log_dir.mkdir(parents=True)
@@ -87,8 +122,8 @@ def stack(
         assert r.status_code == 200, r.text
         reference = r.json()["choices"][0]["message"]["content"]
         assert reference
-        nginx = start_nginx(tmp / "nginx", up.port, read_timeout=f"{READ_TIMEOUT_S:g}s")
-        yield Stack(up, nginx, reference)
+        nginx = start_nginx(tmp / "nginx", up.port, read_timeout=f"{round(read_timeout * 1e3)}ms")
+        yield Stack(up, nginx, reference, read_timeout)
     finally:
         if nginx is not None:
             nginx.stop()
@@ -127,7 +162,9 @@ def check(stack: Stack, results: list[Result], parks_before: int) -> None:
         assert text == stack.reference, "the streamed text differs from the solo reply"
     new_parks = stack.parks()[parks_before:]
     assert new_parks, "no stream was parked: the pair did not overflow the pool"
-    assert max(new_parks) > READ_TIMEOUT_S, f"parks {new_parks} were shorter than nginx's timeout"
+    assert max(new_parks) > stack.read_timeout, (
+        f"parks {new_parks} were not longer than nginx's timeout of {stack.read_timeout} s"
+    )
     assert "upstream timed out" not in stack.nginx.error_log()
 
 
