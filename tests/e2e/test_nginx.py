@@ -25,11 +25,12 @@ pytestmark = [
 ]
 
 READ_TIMEOUT_S = 1.0
-# Two streams of 360 tokens in a 384-cell pool: they collide at ~190 tokens each, and the
-# parked one waits while the other makes ~170 more. With the slow model that is seconds even
-# on a fast machine, so the park outlasts the 1 s read timeout by a wide margin.
-POOL = ("--parallel", "2", "--ctx-size", "384", "--preempt-ram", "8192")
-TOKENS = 360
+# Two streams of 1000 tokens in a 1024-cell pool: they collide at ~510 tokens each, and the
+# parked one waits while the other makes ~490 more, about 3 s even where the slow model runs at
+# 160 tokens/s alone (360 tokens in 384 cells gave parks of 0.95 s there, under the timeout).
+# Only completion is checked here, not the text, so the long generation costs nothing but time.
+POOL = ("--parallel", "2", "--ctx-size", "1024", "--preempt-ram", "8192")
+TOKENS = 1000
 
 
 def server_park_lengths(log_text: str) -> list[float]:
