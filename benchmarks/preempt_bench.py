@@ -25,6 +25,7 @@ LLAMA_SERVER_STOCK_BIN override them), the models from tests.support.tinymodel.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import re
@@ -212,15 +213,20 @@ def prefault_fields(log: str) -> dict[str, Any]:
     }
 
 
-def memcpy_mib_s(n_mib: float, repeat: int = 5, cold: bool = False) -> float:
+def memcpy_mib_s(n_mib: float, repeat: int = 5, cold: bool = False, threads: int = 1) -> float:
     """Best host memcpy rate for n_mib: into a warm buffer, or (cold) into a fresh anonymous
     mapping whose pages fault in during the copy, as a park's new host buffer does (a fresh mmap
-    each time: numpy's allocator would hand a freed buffer of a few MiB straight back, warm)."""
+    each time: numpy's allocator would hand a freed buffer of a few MiB straight back, warm).
+    With `threads` > 1 the bytes are split in shares of at least 4 MiB, at most `threads`,
+    copied at once (ctypes.memmove lets go of the GIL): the rule of the server's own copy
+    (patch 0014), and the reference for it."""
+    import ctypes
     import mmap
 
     import numpy as np
 
     n = max(1, int(n_mib * 1024 * 1024))
+    threads = max(1, min(threads, n // (4 << 20)))
     src = np.frombuffer(os.urandom(n), dtype=np.uint8).copy()
     best = float("inf")
     if not cold:
@@ -230,8 +236,21 @@ def memcpy_mib_s(n_mib: float, repeat: int = 5, cold: bool = False) -> float:
         if cold:
             m = mmap.mmap(-1, n)
             dst = np.frombuffer(m, dtype=np.uint8)
-        t0 = time.perf_counter()
-        np.copyto(dst, src)
+        if threads == 1:
+            t0 = time.perf_counter()
+            np.copyto(dst, src)
+        else:
+            d0, s0 = dst.ctypes.data, src.ctypes.data
+            cuts = [n * i // threads for i in range(threads + 1)]
+            workers = [
+                threading.Thread(target=ctypes.memmove, args=(d0 + lo, s0 + lo, hi - lo))
+                for lo, hi in itertools.pairwise(cuts)
+            ]
+            t0 = time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
         best = min(best, time.perf_counter() - t0)
         if cold:
             del dst
@@ -304,8 +323,20 @@ def slot_decoded(url: str) -> int:
     )
 
 
+def copy_args(threads: int) -> list[str]:
+    """Server flags for a park's copy threads: a state copy may use the batch threads (-tb),
+    generation keeps BASE's one thread (-t)."""
+    return ["-tb", str(threads)]
+
+
 def swap_case(
-    servers: Servers, binary_path: Path, model: Path, extra: list[str], prompt_len: int, every: int
+    servers: Servers,
+    binary_path: Path,
+    model: Path,
+    extra: list[str],
+    prompt_len: int,
+    every: int,
+    copy_threads: int = 1,
 ) -> dict[str, Any]:
     """One stream B of `prompt_len` tokens parked (forced) after every `every` generated tokens,
     three times; a second stream A, too short to be parked itself, generates across B's second
@@ -314,7 +345,8 @@ def swap_case(
     srv = servers.start_bin(
         binary_path,
         model,
-        [*BASE, "-c", str(n_ctx), "-np", "2", "--preempt-ram", "-1", "--cache-ram", "0", *extra],
+        [*BASE, *copy_args(copy_threads), "-c", str(n_ctx), "-np", "2",
+         "--preempt-ram", "-1", "--cache-ram", "0", *extra],
         env={"LLAMA_SERVER_PREEMPT_EVERY": str(every)},
     )
     res_b: dict[str, Any] = {}
@@ -350,9 +382,10 @@ def swap_case(
     }
 
 
-def bench_swap(servers: Servers, before: Path | None) -> dict[str, Any]:
+def bench_swap(servers: Servers, before: Path | None, copy_threads: int = 1) -> dict[str, Any]:
     """Park/restore MiB/s of the binary under test (and of `before`, side by side, same run)
-    against a host memcpy of the same sizes, from a few MiB to over 1 GiB."""
+    against a host memcpy of the same sizes, from a few MiB to over 1 GiB; with `copy_threads`
+    > 1 also against a memcpy split over that many threads."""
     slow = ensure_model(cache_dir() / "models", "slow")
     wide = wide_model()
     cases = [
@@ -363,11 +396,12 @@ def bench_swap(servers: Servers, before: Path | None) -> dict[str, Any]:
         ("wide-f16-520", wide, [], 520, 8),
     ]
     builds = [("after", binary(False))] + ([("before", before)] if before else [])
-    out: dict[str, Any] = {"load_before": os.getloadavg(), "cases": {}}
+    out: dict[str, Any] = {"load_before": os.getloadavg(), "copy_threads": copy_threads}
+    out["cases"] = {}
     for name, model, extra, prompt_len, every in cases:
         case: dict[str, Any] = {}
         for label, path in builds:
-            r = swap_case(servers, path, model, extra, prompt_len, every)
+            r = swap_case(servers, path, model, extra, prompt_len, every, copy_threads)
             sizes = [mib for mib, _ in r["parks"]]
             park = [mib / (ms / 1e3) for mib, ms in r["parks"]]
             rest = [mib / (ms / 1e3) for mib, ms in r["resumes"]]
@@ -375,6 +409,7 @@ def bench_swap(servers: Servers, before: Path | None) -> dict[str, Any]:
             # the memcpy reference right after this build's run, so that both see the same load
             rep = 5 if mib < 256 else 2
             warm, cold = memcpy_mib_s(mib, repeat=rep), memcpy_mib_s(mib, repeat=rep, cold=True)
+            warm_mt = memcpy_mib_s(mib, repeat=rep, threads=copy_threads)
             c = case[label] = {
                 "state_mib": mib,
                 "park_first_mib_s": park[0],
@@ -382,6 +417,7 @@ def bench_swap(servers: Servers, before: Path | None) -> dict[str, Any]:
                 "restore_mib_s": statistics.median(rest),
                 "memcpy_warm_mib_s": warm,
                 "memcpy_cold_mib_s": cold,
+                "memcpy_warm_threads_mib_s": warm_mt,
                 "stall_steps": r["stall_steps"],
                 "first_park_prefaulted": r["first_park_prefaulted"],
                 "a_step_median_ms": 1e3 * statistics.median(r["a_gaps_s"]),
@@ -392,13 +428,16 @@ def bench_swap(servers: Servers, before: Path | None) -> dict[str, Any]:
             for k in ("park_first_mib_s", "park_mib_s", "restore_mib_s"):
                 c[k.replace("_mib_s", "_over_warm")] = c[k] / warm
                 c[k.replace("_mib_s", "_over_cold")] = c[k] / cold
+                c[k.replace("_mib_s", "_over_warm_threads")] = c[k] / warm_mt
             print(name, label, {k: v for k, v in c.items() if k != "raw"}, flush=True)
         out["cases"][name] = case
     out["load_after"] = os.getloadavg()
     return out
 
 
-def pressure_case(servers: Servers, binary_path: Path, model: Path) -> dict[str, Any]:
+def pressure_case(
+    servers: Servers, binary_path: Path, model: Path, copy_threads: int = 1
+) -> dict[str, Any]:
     """Chat A (440-token prompt) generates; chat B (500) arrives, and once both generate the pool
     (1024 cells; llama.cpp pads a context to a multiple of 256) fills ~37 steps later: the
     planner parks A, the smaller, at ~477 cells (~0.95 GiB), and restores it when B ends. No
@@ -407,7 +446,8 @@ def pressure_case(servers: Servers, binary_path: Path, model: Path) -> dict[str,
     srv = servers.start_bin(
         binary_path,
         model,
-        [*BASE, "-c", "1024", "-np", "2", "--preempt-ram", "-1", "--cache-ram", "0"],
+        [*BASE, *copy_args(copy_threads), "-c", "1024", "-np", "2",
+         "--preempt-ram", "-1", "--cache-ram", "0"],
     )
     res: dict[str, Any] = {}
 
@@ -443,12 +483,12 @@ def pressure_case(servers: Servers, binary_path: Path, model: Path) -> dict[str,
     }
 
 
-def bench_pressure(servers: Servers, before: Path | None) -> dict[str, Any]:
+def bench_pressure(servers: Servers, before: Path | None, copy_threads: int = 1) -> dict[str, Any]:
     wide = wide_model()
     builds = [("after", binary(False))] + ([("before", before)] if before else [])
     out: dict[str, Any] = {"load_before": os.getloadavg(), "builds": {}}
     for label, path in builds:
-        r = pressure_case(servers, path, wide)
+        r = pressure_case(servers, path, wide, copy_threads)
         warm = memcpy_mib_s(r["state_mib"], repeat=2)
         cold = memcpy_mib_s(r["state_mib"], repeat=2, cold=True)
         r.update(
@@ -468,8 +508,9 @@ def swap_table(res: dict[str, Any]) -> str:
     """docs/benchmarks.md rows: ratios to a warm (cold) memcpy, before -> after."""
     rows = [
         "| state | park vs memcpy warm (cold) | first park of a busy period vs warm "
-        "| restore vs memcpy warm | resident stall (max gap / median step) | load (1 min) |",
-        "|---|---|---|---|---|---|",
+        "| restore vs memcpy warm | park, restore vs a memcpy on the copy's threads "
+        "| resident stall (max gap / median step) | load (1 min) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, case in res["cases"].items():
         b, a = case.get("before"), case["after"]
@@ -482,6 +523,7 @@ def swap_table(res: dict[str, Any]) -> str:
             f"| {pair('park_over_warm')} ({pair('park_over_cold')}) "
             f"| {pair('park_first_over_warm')} "
             f"| {pair('restore_over_warm')} "
+            f"| {pair('park_over_warm_threads')}, {pair('restore_over_warm_threads')} "
             f"| {pair('stall_steps', '{:.1f}')} "
             f"| {pair('loadavg_1m', '{:.1f}')} |"
         )
@@ -505,6 +547,13 @@ def main() -> int:
     )
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument(
+        "--copy-threads",
+        type=int,
+        default=1,
+        help="swap, pressure: the servers' batch threads (-tb), which a park's copy may use; "
+        "generation stays on one thread (default 1)",
+    )
+    ap.add_argument(
         "--before",
         help="swap: a second llama-server (e.g. the build of main's series) measured side by side "
         "(default: $LLAMA_SERVER_BEFORE_BIN)",
@@ -525,10 +574,14 @@ def main() -> int:
                 print(json.dumps({"overload": results["overload"]}, indent=1), flush=True)
             before = a.before or os.environ.get("LLAMA_SERVER_BEFORE_BIN")
             if "swap" in only:
-                results["swap"] = bench_swap(servers, Path(before) if before else None)
+                results["swap"] = bench_swap(
+                    servers, Path(before) if before else None, a.copy_threads
+                )
                 print(swap_table(results["swap"]), flush=True)
             if "pressure" in only:
-                results["pressure"] = bench_pressure(servers, Path(before) if before else None)
+                results["pressure"] = bench_pressure(
+                    servers, Path(before) if before else None, a.copy_threads
+                )
         finally:
             servers.stop_all()
     if a.json:

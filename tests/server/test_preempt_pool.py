@@ -13,6 +13,9 @@ planner has a victim), a background thread faults in a block for it beforehand, 
 first park of a busy period does not fault in its block on the main loop. The prefaulted block
 is an ordinary pool block once adopted: it counts toward `--preempt-ram` and the gauge, and it
 goes back to the OS when idle.
+
+Patch 0014: a large state's copy is split over the batch threads (-tb); the bytes that land must
+be the same.
 """
 
 from __future__ import annotations
@@ -130,6 +133,36 @@ def test_forced_parks_through_the_pool_change_nothing(
     assert m["preempt_recompute_total"] == 0
     assert m["preempt_pool_bytes"] == 0
     assert RETURNED_LINE + "2.000 MiB returned to the OS (no request running)" in log
+
+
+SAVED_RE = re.compile(r"state ([0-9.]+) MiB saved to host RAM")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv", list(KV_TYPES))
+def test_state_copies_split_over_threads_change_nothing(
+    start_server: StartServer, slow_model: Path, kv: str
+) -> None:
+    """Patch 0014: with two batch threads (-tb 2) a state of 8 MiB or more is copied in two
+    shares at once, each cutting a K run or (flash attention off) the V rows wherever its bytes
+    end; the restored slot must go on exactly as without parks."""
+    # a 700-token prompt on the slow model: 8.7 MiB (q8_0) to 33 MiB (f32) per park
+    args = [*BASE, *PARK, "-tb", "2", "-c", "2048", "-np", "2", *KV_TYPES[kv]]
+    plain = start_server(model=slow_model, args=args)
+    forced = start_server(model=slow_model, args=args, env={"LLAMA_SERVER_PREEMPT_EVERY": "8"})
+    n_predict = 32
+    prompt = robust_prompts(plain.url, 1, 700, n_predict)[0]
+
+    ref = complete(plain.url, prompt, n_predict)
+    got = complete(forced.url, prompt, n_predict)
+
+    assert_same(got, ref, n_predict)
+    assert got.preempt["parks"] >= n_predict // 8 - 2, got.preempt
+    assert got.preempt["recomputes"] == 0, got.preempt
+    sizes = [float(x) for x in SAVED_RE.findall(forced.log_text())]
+    assert len(sizes) == got.preempt["parks"], sizes
+    # every park was large enough for two shares of at least 4 MiB
+    assert min(sizes) >= 8.0, sizes
 
 
 @pytest.mark.slow
