@@ -42,6 +42,7 @@ from sidecar.paths import cache_dir
 from tests.server.preempt_helpers import (
     BASE,
     CONTEXT_ERROR,
+    PARK_RE,
     complete,
     complete_many,
     metrics,
@@ -185,7 +186,6 @@ def bench_overload(servers: Servers, model: Path, n_predict: int) -> dict[str, A
 
 # 3 ---------------------------------------------------------------------------------------------
 
-PARK_RE = re.compile(r"state ([0-9.]+) MiB saved to host RAM in ([0-9.]+) ms")
 RESUME_RE = re.compile(r"state ([0-9.]+) MiB restored in ([0-9.]+) ms")
 # patch 0010 and later: where a park's time went
 BREAKDOWN_RE = re.compile(

@@ -11,6 +11,7 @@ import contextlib
 import itertools
 import json
 import random
+import re
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -24,6 +25,8 @@ from tests.support.procs import wait_until
 from tests.support.sse_client import iter_lines
 
 CONTEXT_ERROR = "Context size has been exceeded."
+# a swap park's log line: the state's MiB and the ms its save took
+PARK_RE = re.compile(r"state ([0-9.]+) MiB saved to host RAM in ([0-9.]+) ms")
 
 # server flags shared by the preemption tests: unified KV, metrics and /slots, one thread
 BASE = ["--kv-unified", "--metrics", "--slots", "-t", "1", "-tb", "1", "--no-warmup"]

@@ -32,6 +32,7 @@ from tests.conftest import StartServer
 from tests.server.preempt_helpers import (
     BASE,
     PARK,
+    PARK_RE,
     complete,
     complete_many,
     metrics,
@@ -135,9 +136,6 @@ def test_forced_parks_through_the_pool_change_nothing(
     assert RETURNED_LINE + "2.000 MiB returned to the OS (no request running)" in log
 
 
-SAVED_RE = re.compile(r"state ([0-9.]+) MiB saved to host RAM")
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("kv", list(KV_TYPES))
 def test_state_copies_split_over_threads_change_nothing(
@@ -159,7 +157,7 @@ def test_state_copies_split_over_threads_change_nothing(
     assert_same(got, ref, n_predict)
     assert got.preempt["parks"] >= n_predict // 8 - 2, got.preempt
     assert got.preempt["recomputes"] == 0, got.preempt
-    sizes = [float(x) for x in SAVED_RE.findall(forced.log_text())]
+    sizes = [float(mib) for mib, _ in PARK_RE.findall(forced.log_text())]
     assert len(sizes) == got.preempt["parks"], sizes
     # every park was large enough for two shares of at least 4 MiB
     assert min(sizes) >= 8.0, sizes
