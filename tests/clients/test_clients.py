@@ -26,7 +26,6 @@ import httpx
 import pytest
 
 from sidecar.supervise import server_supports
-from tests.support.llama import LlamaServer
 from tests.support.nginx import NGINX, Nginx, start_nginx
 from tests.support.up import UpProcess
 
@@ -43,7 +42,7 @@ NODE, NPM = shutil.which("node"), shutil.which("npm")
 # collide after ~90 tokens each, and one waits parked while the other makes its last ~210
 # alone. The long prompt makes the park long without long generations, which drift from the
 # solo reply by batch-shape float noise (see docs/benchmarks.md); nginx's timeout follows the
-# machine's speed (park_timeouts()).
+# machine's speed (park_timeout()).
 POOL_CELLS = 512
 POOL = ("--parallel", "2", "--ctx-size", str(POOL_CELLS), "--preempt-ram", "8192")
 TOKENS = 300
@@ -60,7 +59,7 @@ class Stack:
     up: UpProcess
     nginx: Nginx
     reference: str  # the text of a solo, unstreamed request straight to llama-server
-    read_timeout: float  # nginx's proxy_read_timeout, s (park_timeouts())
+    read_timeout: float  # nginx's proxy_read_timeout, s (park_timeout())
 
     def parks(self) -> list[float]:
         """Park lengths so far, from llama-server's log (`resumed after X s`)."""
@@ -77,29 +76,24 @@ def chat_body(stream: bool) -> dict[str, Any]:
     return body
 
 
-def park_timeouts(binary: Path, model: Path, tmp: Path) -> tuple[float, float]:
-    """(nginx's read timeout, the sidecar's keepalive interval) in seconds for this machine.
+# The sidecar's keepalive comments come four times per shortest read timeout (park_timeout()).
+KEEPALIVE_S = 0.125
+
+
+def park_timeout(reply: dict[str, Any]) -> float:
+    """nginx's read timeout in seconds for this machine, from the solo reference reply.
 
     The parked chat waits while the other makes prompt + TOKENS - POOL_CELLS/2 tokens alone.
-    From a short solo request (its prompt length and speed) the timeout is a third of that
-    wait, between 0.5 s (above the time to the first token) and 1 s, so the park outlasts it
-    clearly; the sidecar's comments come four times per timeout. (A fixed 1 s timeout and a
-    short prompt let parks of 0.86 s through on a faster machine, and the test failed.)
+    From the reply's prompt length and speed the timeout is a third of that wait, between 0.5 s
+    (above the time to the first token) and 1 s, so the park outlasts it clearly. (A fixed 1 s
+    timeout and a short prompt let parks of 0.86 s through on a faster machine, and the test
+    failed.)
     """
-    probe = LlamaServer(binary, model, ["-c", "512", "-np", "1", "-t", "1"], {},
-                        log_path=tmp / "probe.log").start()  # fmt: skip
-    try:
-        body = {**chat_body(False), "max_tokens": 32}
-        r = httpx.post(probe.url + "/v1/chat/completions", json=body, timeout=120)
-    finally:
-        probe.stop()
-    assert r.status_code == 200, r.text
-    speed = float(r.json()["timings"]["predicted_per_second"])
-    prompt = int(r.json()["usage"]["prompt_tokens"])
+    speed = float(reply["timings"]["predicted_per_second"])
+    prompt = int(reply["usage"]["prompt_tokens"])
     assert prompt + TOKENS <= POOL_CELLS, f"a chat of {prompt} + {TOKENS} tokens cannot fit alone"
     wait_s = (prompt + TOKENS - POOL_CELLS // 2) / speed
-    read_timeout = round(min(1.0, max(0.5, wait_s / 3)), 3)
-    return read_timeout, read_timeout / 4
+    return round(min(1.0, max(4 * KEEPALIVE_S, wait_s / 3)), 3)
 
 
 @pytest.fixture(scope="module")
@@ -109,9 +103,8 @@ def stack(
     if not server_supports(llama_server_bin, "--preempt-ram"):
         pytest.fail(f"{llama_server_bin} has no --preempt-ram (not the patched build?)")
     tmp = tmp_path_factory.mktemp("clients")
-    read_timeout, keepalive = park_timeouts(llama_server_bin, slow_model, tmp)
-    env = {"LLAMA_SIDECAR_PARK_KEEPALIVE": f"{keepalive:g}",
-           "LLAMA_SIDECAR_IDLE_KEEPALIVE": f"{keepalive:g}"}  # fmt: skip
+    env = {"LLAMA_SIDECAR_PARK_KEEPALIVE": f"{KEEPALIVE_S:g}",
+           "LLAMA_SIDECAR_IDLE_KEEPALIVE": f"{KEEPALIVE_S:g}"}  # fmt: skip
     up = UpProcess(["--server-bin", str(llama_server_bin), "--model", str(slow_model), *POOL,
                     "--ping-interval", "-1", "--", "-t", "1"], tmp / "up", env=env)  # fmt: skip
     up.log_dir.mkdir(parents=True)
@@ -122,6 +115,7 @@ def stack(
         assert r.status_code == 200, r.text
         reference = r.json()["choices"][0]["message"]["content"]
         assert reference
+        read_timeout = park_timeout(r.json())
         nginx = start_nginx(tmp / "nginx", up.port, read_timeout=f"{round(read_timeout * 1e3)}ms")
         yield Stack(up, nginx, reference, read_timeout)
     finally:
