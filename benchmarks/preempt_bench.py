@@ -11,9 +11,9 @@
              copy) against a warm, a cold and an out-of-cache host memcpy of the same sizes
              measured in the same run, for states from ~4 MiB to ~1.1 GiB (a generated wide-KV
              model), and the stall a resident stream feels (its longest inter-token gap across a
-             park over its median step, and the same gap less the park's copy: what overlapping
-             the copy with the next decode could save at best); `--before BIN` measures a second
-             build side by side.
+             park over its median step, and the same gap less the forced park's two copies, park
+             and restore: what overlapping them with the next decode could save at best);
+             `--before BIN` measures a second build side by side.
 4. pressure: the first park of a busy period under real pressure (no forced parks): two chats
              on the wide-KV model overflow the pool together and the planner parks the smaller
              (~0.95 GiB); its rate against a memcpy, whether it took a block prefaulted in the
@@ -234,7 +234,7 @@ def memcpy_mib_s(
     by reading EVICT_MIB of other memory. That is what a park meets: between two parks every
     decode step streams the model's weights through the caches, so a slot's KV cells and the
     pool block come from DRAM. A plain warm copy of a few MiB repeats inside the L2/L3 cache and
-    runs several times faster than DRAM allows (38-46 GB/s against 9 GB/s at 4 MiB here)."""
+    runs several times faster than DRAM allows (at 4 MiB here: 39-46 GB/s, out of cache 7-12)."""
     import ctypes
     import mmap
 
