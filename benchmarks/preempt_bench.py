@@ -387,6 +387,11 @@ def swap_case(
     gaps = [
         t1 - t0 for t0, t1 in zip(a.t_events[1:], a.t_events[2:], strict=False)
     ]  # after A's first token
+    step = statistics.median(gaps)
+    # B's second park and its restore: a forced park is restored in the same pass of the server
+    # loop (room is there), so A's gap across it holds both copies. They are what an overlap with
+    # the next decode could hide at best: the stall with that much taken off A's longest gap
+    copy_ms = parks[1][1] + resumes[1][1]
     return {
         "parks": parks,
         "park_breakdown_ms": [
@@ -396,7 +401,9 @@ def swap_case(
         "resumes": resumes,
         **prefault_fields(log),  # did B's first park take a prefaulted block (and wait for it)?
         "a_gaps_s": gaps,
-        "stall_steps": max(gaps) / statistics.median(gaps),
+        "stall_steps": max(gaps) / step,
+        "copy_ms": copy_ms,
+        "stall_steps_copy_hidden": max(max(gaps) - copy_ms / 1e3, step) / step,
     }
 
 
@@ -429,12 +436,6 @@ def bench_swap(servers: Servers, before: Path | None, copy_threads: int = 1) -> 
             warm, cold = memcpy_mib_s(mib, repeat=rep), memcpy_mib_s(mib, repeat=rep, cold=True)
             warm_mt = memcpy_mib_s(mib, repeat=rep, threads=copy_threads)
             evicted = memcpy_mib_s(mib, repeat=rep, evicted=True)
-            # B's second park and its restore: a forced park is restored in the same pass of the
-            # server loop (room is there), so A's gap across it holds both copies. They are what
-            # an overlap with the next decode could hide at best: the resident stall with that
-            # much taken off its longest gap
-            copy_ms = r["parks"][1][1] + r["resumes"][1][1]
-            gap_max, step = max(r["a_gaps_s"]), statistics.median(r["a_gaps_s"])
             c = case[label] = {
                 "state_mib": mib,
                 "park_first_mib_s": park[0],
@@ -445,8 +446,8 @@ def bench_swap(servers: Servers, before: Path | None, copy_threads: int = 1) -> 
                 "memcpy_warm_threads_mib_s": warm_mt,
                 "memcpy_evicted_mib_s": evicted,
                 "stall_steps": r["stall_steps"],
-                "copy_ms": copy_ms,
-                "stall_steps_copy_hidden": max(gap_max - copy_ms / 1e3, step) / step,
+                "copy_ms": r["copy_ms"],
+                "stall_steps_copy_hidden": r["stall_steps_copy_hidden"],
                 "first_park_prefaulted": r["first_park_prefaulted"],
                 "a_step_median_ms": 1e3 * statistics.median(r["a_gaps_s"]),
                 "a_gap_max_ms": 1e3 * max(r["a_gaps_s"]),
