@@ -17,8 +17,13 @@ from tests.server.preempt_helpers import (
     BASE,
     PARK,
     PARK_LINE,
+    Completion,
     complete,
     robust_prompts,
+    run_concurrently,
+    slots,
+    token_prompt,
+    wait_for,
 )
 from tests.server.test_preempt_kv import assert_same, assert_settled, solo_then_together
 
@@ -73,3 +78,44 @@ def test_overflowing_generations_with_a_draft_model(start_server: StartServer,
     m = assert_settled(srv.url)
     assert m["n_preempt_total"] >= 1
     assert srv.log_text().count(PARK_LINE) >= 1
+
+
+def test_a_last_resort_in_a_shift_s_iteration_parks_by_recompute(start_server: StartServer,
+                                                                 slow_model: Path) -> None:
+    """Issue 10, item 8 (patch 0013). A context shift reaches the draft context only when it
+    mirrors a batch the target decoded, so after a refused decode (the last resort's case) the
+    draft's shift is still pending: saved then, its K would come back unrotated. Such a slot must
+    be parked by recompute. The window cannot be timed from outside, so
+    LLAMA_SERVER_PREEMPT_FAIL_SHIFT refuses the decode that applies each shift. A (priority 0)
+    shifts once at the per-slot limit of 128 while B (priority 1, 123 tokens, never shifts) runs,
+    so A is the last resort's victim in that iteration: parked by recompute, then a replay of the
+    shifted tokens with a draft model. The slow model, drafting for itself: B joins when /slots
+    shows A 70 tokens in, and the tiny model would finish A before a poll sees it."""
+    per_slot = ["--kv-unified-per-slot", "128", "--context-shift"]
+    args = [*BASE, *PARK, "-c", "512", "-np", "2", *per_slot, *draft_args(slow_model)]
+    srv = start_server(model=slow_model, args=args, env={"LLAMA_SERVER_PREEMPT_FAIL_SHIFT": "1"})
+    prompt_a, prompt_b = token_prompt(8, 31), token_prompt(8, 32)
+
+    def a_decoded() -> int:
+        busy = [s for s in slots(srv.url) if s.get("is_processing")]
+        return max((int(s["next_token"][0]["n_decoded"]) for s in busy), default=0)
+
+    def b_after_a_started() -> Completion:
+        # B joins when A is 70 tokens in: when A shifts at 119, B is still far from its end
+        wait_for(lambda: a_decoded() >= 70, timeout=60.0)
+        return complete(srv.url, prompt_b, 115, priority=1)
+
+    a, b = run_concurrently([lambda: complete(srv.url, prompt_a, 150), b_after_a_started])
+
+    assert a.ok, a.error
+    assert b.ok, b.error
+    assert a.n_predicted == 150
+    assert b.n_predicted == 115
+    assert drafted(a) > 0, "speculative decoding was not active"
+    log = srv.log_text()
+    assert "the decode that applied a context shift is refused" in log, "no shift was refused"
+    assert b.preempt["parks"] == 0, b.preempt
+    assert a.preempt["parks"] == 1, a.preempt
+    assert "has not applied this slot's context shift yet, parking by recompute" in log
+    assert a.preempt["recomputes"] == 1, a.preempt
+    assert_settled(srv.url)
