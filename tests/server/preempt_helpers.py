@@ -232,6 +232,13 @@ def slots(url: str) -> list[dict[str, Any]]:
     return list(r.json())
 
 
+def n_decoded_max(url: str) -> int:
+    """Tokens generated so far by the furthest running request (/slots)."""
+    return max(
+        (s["next_token"][0]["n_decoded"] for s in slots(url) if s["is_processing"]), default=0
+    )
+
+
 def wait_for(
     predicate: Callable[[], Any],
     timeout: float = 30.0,

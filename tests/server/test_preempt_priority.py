@@ -22,6 +22,7 @@ from tests.server.preempt_helpers import (
     complete,
     complete_many,
     metrics,
+    n_decoded_max,
     robust_prompts,
     slots,
     token_prompt,
@@ -32,12 +33,6 @@ from tests.server.preempt_helpers import (
 pytestmark = [pytest.mark.server]
 
 HIGH, LOW = 5, -1
-
-
-def n_decoded_max(url: str) -> int:
-    return max(
-        (s["next_token"][0]["n_decoded"] for s in slots(url) if s["is_processing"]), default=0
-    )
 
 
 @pytest.mark.parametrize(

@@ -19,9 +19,9 @@ from tests.server.preempt_helpers import (
     PARK_LINE,
     Completion,
     complete,
+    n_decoded_max,
     robust_prompts,
     run_concurrently,
-    slots,
     token_prompt,
     wait_for,
 )
@@ -96,13 +96,9 @@ def test_a_last_resort_in_a_shift_s_iteration_parks_by_recompute(start_server: S
     srv = start_server(model=slow_model, args=args, env={"LLAMA_SERVER_PREEMPT_FAIL_SHIFT": "1"})
     prompt_a, prompt_b = token_prompt(8, 31), token_prompt(8, 32)
 
-    def a_decoded() -> int:
-        busy = [s for s in slots(srv.url) if s.get("is_processing")]
-        return max((int(s["next_token"][0]["n_decoded"]) for s in busy), default=0)
-
     def b_after_a_started() -> Completion:
         # B joins when A is 70 tokens in: when A shifts at 119, B is still far from its end
-        wait_for(lambda: a_decoded() >= 70, timeout=60.0)
+        wait_for(lambda: n_decoded_max(srv.url) >= 70, timeout=60.0)
         return complete(srv.url, prompt_b, 115, priority=1)
 
     a, b = run_concurrently([lambda: complete(srv.url, prompt_a, 150), b_after_a_started])
