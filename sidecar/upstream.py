@@ -50,6 +50,7 @@ import select
 import tempfile
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
+from typing import IO
 
 import anyio
 import h11
@@ -80,8 +81,12 @@ __all__ = [
 
 # Interim (1xx) responses accepted before the final one; a flood of them is an error.
 MAX_INTERIM = 8
-# Largest response head from upstream (h11's limit on an incomplete event).
+# Largest response head from upstream, interim responses included: h11 limits only a
+# head that is still incomplete, so a whole one is measured as well (see _read_head).
 MAX_HEAD = 256 * 1024
+# Most header fields in the final response head (nginx's upstream limit is its buffer,
+# 4-8 KiB, about a hundred short fields; llama-server sends about ten).
+MAX_HEADERS = 100
 
 # deliver(data, wire) -> True when downstream is backed up (see _BodySink)
 Deliver = Callable[[bytes, "bytes | None"], bool]
@@ -113,7 +118,9 @@ class RequestBody:
 
     Up to ``in_memory`` bytes are held in memory, the rest in an anonymous
     temporary file (``tempfile.SpooledTemporaryFile``), as nginx does with
-    ``client_body_buffer_size``.  The body can be sent more than once (a retry
+    ``client_body_buffer_size``; ``in_memory=0`` puts every body on disk from
+    its first byte (a spooled file with ``max_size=0`` would never roll over:
+    0 means "no limit" there).  The body can be sent more than once (a retry
     on a fresh connection) and is sent with a ``Content-Length``.
     """
 
@@ -122,7 +129,11 @@ class RequestBody:
     SEND_SIZE = 64 * 1024
 
     def __init__(self, in_memory: int) -> None:
-        self._file = tempfile.SpooledTemporaryFile(max_size=in_memory)  # noqa: SIM115
+        self._file: IO[bytes]
+        if in_memory > 0:
+            self._file = tempfile.SpooledTemporaryFile(max_size=in_memory)  # noqa: SIM115
+        else:
+            self._file = tempfile.TemporaryFile()  # noqa: SIM115
         self.size = 0
 
     def append(self, data: bytes) -> None:
@@ -158,7 +169,9 @@ def _peer_closed(conn: H11Stream) -> bool:
 
     An idle keep-alive connection must have nothing to read: readability means
     EOF (the server closed it) or stray bytes, and either way it is discarded.
-    The ``select`` sees what the loop has not delivered yet.
+    The poll sees what the loop has not delivered yet.  ``poll`` rather than
+    ``select``: ``select`` refuses descriptors of ``FD_SETSIZE`` (1024) and
+    above, and a busy sidecar has those.
     """
     if _stray_input(conn):
         return True
@@ -166,10 +179,11 @@ def _peer_closed(conn: H11Stream) -> bool:
     if sock is None:
         return False  # not a socket (an in-memory transport): at_eof is the truth
     try:
-        readable, _, _ = select.select([sock.fileno()], [], [], 0)
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN)
+        return bool(poller.poll(0))
     except (OSError, ValueError):
         return True
-    return bool(readable)
 
 
 class UpstreamPool:
@@ -274,6 +288,14 @@ async def _read_head(conn: H11Stream, method: bytes) -> ResponseHead:
     for _ in range(MAX_INTERIM + 1):
         event = await _next(conn)
         if isinstance(event, h11.Response):
+            # Bytes consumed so far: every head of this exchange, whatever the read sizes.
+            size = conn.bytes_in_cycle - len(conn.conn.trailing_data[0])
+            if size > MAX_HEAD:
+                raise UpstreamProtocolError(f"upstream response head over {MAX_HEAD} bytes")
+            if len(event.headers) > MAX_HEADERS:
+                raise UpstreamProtocolError(
+                    f"upstream response head has more than {MAX_HEADERS} header fields"
+                )
             return _head(event, method)
         if isinstance(event, h11.InformationalResponse):
             continue  # 1xx from upstream: the sidecar answers Expect itself

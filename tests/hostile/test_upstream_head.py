@@ -14,7 +14,8 @@ import time
 import anyio
 import pytest
 
-from sidecar.upstream import MAX_INTERIM
+from sidecar.server import Sidecar
+from sidecar.upstream import MAX_HEAD, MAX_HEADERS, MAX_INTERIM
 from tests.proxy.conftest import SidecarFactory
 from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream, Script
@@ -84,3 +85,46 @@ async def test_a_slow_head_within_the_deadline_is_relayed(
         resp = await c.read_response(timeout=5)
         assert resp.status == 200
         assert resp.body.count(b"data: ") == 8
+
+
+PAD = 80 * 1024  # one header line's value
+BIG_HEAD_START = b"HTTP/1.1 200 OK\r\n" + b"".join(
+    b"X-Pad-%d: %s\r\n" % (i, b"a" * PAD) for i in range(3)
+)  # 240 KiB: under the cap, and incomplete
+BIG_HEAD_END = b"X-Pad-3: " + b"a" * (60 * 1024) + b"\r\nContent-Length: 2\r\n\r\nok"
+
+
+async def test_a_head_over_the_cap_is_a_502_whatever_the_read_sizes(
+    fake: FakeUpstream, sidecar: Sidecar
+) -> None:
+    """The cap is on the whole head: one that is completed by its last read is over it too.
+
+    h11 limits a head only while it is incomplete: 240 KiB, then 60 KiB with the end of
+    the head in one read, made a 300 KiB head that was relayed.
+    """
+    assert len(BIG_HEAD_START) + len(BIG_HEAD_END) > MAX_HEAD > len(BIG_HEAD_START)
+    fake.route("/big", [("raw", BIG_HEAD_START), ("sleep", 0.3), ("raw", BIG_HEAD_END)])
+    async with await RawConn.open(sidecar.url) as c:
+        await c.send(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+        resp = await c.read_response(timeout=5)
+        assert resp.status == 502, resp.raw_head[:200]
+        assert b"head over" in resp.body
+    assert sidecar.metrics.upstream_errors.labels("protocol")._value.get() == 1
+
+
+@pytest.mark.parametrize(("fields", "status"), [(MAX_HEADERS, 200), (MAX_HEADERS + 1, 502),
+                                                (20_000, 502)])  # fmt: skip
+async def test_a_head_with_too_many_fields_is_a_502(
+    fake: FakeUpstream, sidecar: Sidecar, fields: int, status: int
+) -> None:
+    """20,000 short header fields fit in 256 KiB; they were relayed (nginx: 502)."""
+    lines = b"Content-Length: 2\r\n" + b"".join(b"X-%d: y\r\n" % i for i in range(fields - 1))
+    fake.route("/many", [("raw", b"HTTP/1.1 200 OK\r\n" + lines + b"\r\nok")])
+    async with await RawConn.open(sidecar.url) as c:
+        await c.send(b"GET /many HTTP/1.1\r\nHost: x\r\n\r\n")
+        resp = await c.read_response(timeout=5)
+        assert resp.status == status
+        if status == 200:
+            assert resp.body == b"ok"
+        else:
+            assert b"header fields" in resp.body

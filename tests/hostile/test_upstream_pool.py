@@ -9,6 +9,8 @@ another connection, must get its own answer from a fresh upstream connection.
 
 from __future__ import annotations
 
+import os
+
 import anyio
 import pytest
 
@@ -119,3 +121,30 @@ async def test_clean_responses_are_still_pooled(fake: FakeUpstream, sidecar: Sid
             await c.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: 1\r\n\r\n%d" % i)
             assert (await c.read_response()).body == b"%d" % i
     assert len(fake.conns) == 1
+
+
+async def test_pooled_connections_are_reused_past_descriptor_1024(
+    fake: FakeUpstream, sidecar: Sidecar
+) -> None:
+    """The reuse check must work for any descriptor: ``select()`` fails from 1024 up.
+
+    Low descriptors are taken up so that the sidecar's upstream socket gets one above
+    1024; three requests in a row must then share one upstream connection (with
+    ``select()`` every check failed and each request opened a new one).
+    """
+    fillers: list[int] = []
+    try:
+        while True:
+            fd = os.open(os.devnull, os.O_RDONLY)
+            fillers.append(fd)
+            if fd >= 1100:
+                break
+        for _ in range(3):
+            async with await RawConn.open(sidecar.url) as c:
+                await c.send(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+                resp = await c.read_response()
+                assert resp.status == 200
+        assert len(fake.conns) == 1
+    finally:
+        for fd in fillers:
+            os.close(fd)
