@@ -28,6 +28,11 @@ upstream side an h11 ``CLIENT``).
   connection whose request body was taken over is not :attr:`reusable`.
 * :meth:`reusable` / :meth:`start_next_cycle`: a connection is reused only when
   both sides are ``DONE`` (``MUST_CLOSE`` is honoured by closing).
+* **Obsolete line folding** in a request head (a header line that starts with
+  a space or a tab) is refused with 400 before h11 parses the head: h11
+  unfolds it silently, and RFC 9112 section 5.2 lets a server either reject it
+  or replace it; rejecting keeps a folded line from meaning one thing here and
+  another upstream.
 * :meth:`wait_for_eof` is the client-disconnect watcher's read: after the
   request is complete, any bytes read (pipelined requests) are handed to h11,
   which buffers them for the next cycle; end of stream means the client left.
@@ -40,6 +45,8 @@ fault.
 """
 
 from __future__ import annotations
+
+import re
 
 import anyio
 import h11
@@ -56,6 +63,9 @@ READ_SIZE = 64 * 1024
 # disconnect is still seen, in bounded memory.
 MAX_PIPELINED = 64 * 1024
 _CHUNKED_HEAD = b"\r\ntransfer-encoding: chunked\r\n"
+# The end of a head as h11 finds it, and a line of it that starts with a space or a tab.
+_HEAD_END = re.compile(rb"\n\r?\n")
+_OBS_FOLD = re.compile(rb"\n[ \t]")
 
 
 class H11Stream:
@@ -64,6 +74,7 @@ class H11Stream:
         "_max_incomplete",
         "_raw_pending",
         "_request_method",
+        "_server",
         "bytes_in_cycle",
         "conn",
         "discarding",
@@ -94,6 +105,7 @@ class H11Stream:
         # "none" (HEAD, 204, 304); see body_extensible.
         self.framing_out = "none"
         self._request_method = b""  # of the request being answered (server role)
+        self._server = role is h11.SERVER
 
     async def _receive(self) -> bytes:
         try:
@@ -111,6 +123,8 @@ class H11Stream:
         """The next h11 event, reading as needed (never returns ``NEED_DATA``)."""
         conn = self.conn
         while True:
+            if self._server and conn.their_state is h11.IDLE:
+                _refuse_obs_fold(conn)
             event = conn.next_event()
             if event is h11.NEED_DATA:
                 conn.receive_data(await self._receive())
@@ -342,3 +356,14 @@ class H11Stream:
                 pass
             except OSError:
                 pass
+
+
+def _refuse_obs_fold(conn: h11.Connection) -> None:
+    """Raise 400 if the request head buffered in ``conn`` is whole and has an obs-fold."""
+    data = conn.trailing_data[0]
+    end = _HEAD_END.search(data)
+    if end is not None and _OBS_FOLD.search(data, 0, end.start() + 1):
+        raise h11.RemoteProtocolError(
+            "obsolete line folding (a header line starting with a space or tab)",
+            error_status_hint=400,
+        )

@@ -315,9 +315,18 @@ class Sidecar:
             # h11 only limits *incomplete* heads; a whole one that arrived in a
             # single read is measured here (bytes consumed so far = the head).
             head_size = client.bytes_in_cycle - len(client.conn.trailing_data[0])
-            if head_size <= cfg.max_header_bytes:
+            if head_size > cfg.max_header_bytes:
+                status, message, outcome = (
+                    431, "request header fields too large", "headers_too_large",
+                )  # fmt: skip
+            elif event.http_version == b"1.0" and _has_te(event):
+                # RFC 9112 section 6.1: Transfer-Encoding in an HTTP/1.0 message means
+                # faulty framing (a smuggling vector): refused, as nginx does.
+                status, message, outcome = (
+                    400, "Transfer-Encoding in an HTTP/1.0 request", "bad_request",
+                )  # fmt: skip
+            else:
                 return event
-            status, message, outcome = 431, "request header fields too large", "headers_too_large"
 
         await answer_error(client, status, message)
         if record:
@@ -428,3 +437,7 @@ async def serve(
 ) -> None:
     """Run a sidecar until cancelled; ``task_status.started`` gets the :class:`Sidecar`."""
     await Sidecar(config, registry).run(task_status=task_status)
+
+
+def _has_te(request: h11.Request) -> bool:
+    return get_header(request.headers.raw_items(), b"transfer-encoding") is not None

@@ -143,3 +143,41 @@ async def test_good_chunks_before_a_bad_one_are_delivered(
         while sidecar.ctx.active:
             await anyio.sleep(0.01)
     assert sidecar.metrics.upstream_errors.labels("protocol")._value.get() == 1
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        # obs-fold (RFC 9112 section 5.2): a header line starting with a space or a tab
+        b"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n 2\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: x\r\nX-A: 1\r\n\t2\r\n\r\n",
+        b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length:\r\n 3\r\n\r\nabc",
+        # Transfer-Encoding in HTTP/1.0 (RFC 9112 section 6.1): faulty framing
+        b"POST /echo HTTP/1.0\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"3\r\nabc\r\n0\r\n\r\n",
+    ],
+    ids=["obs_fold_space", "obs_fold_tab", "obs_fold_length", "http10_transfer_encoding"],
+)
+async def test_obs_fold_and_http10_chunked_are_refused(
+    fake: FakeUpstream, sidecar: Sidecar, request_bytes: bytes
+) -> None:
+    async with await RawConn.open(sidecar.url) as c:
+        await c.send(request_bytes)
+        resp = await c.read_response()
+        assert (resp.status, resp.reason) == (400, b"Bad Request")
+        assert resp.header(b"connection") == b"close"
+        assert await c.wait_closed() == b""
+    assert fake.requests == []  # never forwarded
+
+
+@pytest.mark.anyio
+async def test_a_space_inside_a_header_value_is_not_a_fold(
+    fake: FakeUpstream, sidecar: Sidecar
+) -> None:
+    async with await RawConn.open(sidecar.url) as c:
+        await c.send(b"POST /echo HTTP/1.1\r\nHost: x\r\nX-A: 1 2\t3\r\nContent-Length: 4\r\n\r\n"
+                     b"a\n b")  # fmt: skip
+        resp = await c.read_response()
+        assert (resp.status, resp.body) == (200, b"a\n b")  # the body may hold anything
+    assert dict(fake.requests[0].headers)[b"X-A"] == b"1 2\t3"
