@@ -15,10 +15,16 @@ pure part: it is fed the metrics text (or a failure) with the time, and gives a
 :class:`Verdict` for a given time.  It never does I/O, so the whole policy is tested with
 tables.  Failing safe: before the first reading, after a failed poll, or when the last
 reading is older than three poll intervals, the verdict is "not ready" with the reason.
+
+httpx logs every request at INFO ("HTTP Request: GET ..."), which for a poll every second
+is 86,400 lines a day in the access log's stream; the poller's own requests are logged only
+from WARNING up (a filter on the ``httpx`` logger keyed by a context variable that only the
+poller's task sets, so other httpx users in the process keep their lines).
 """
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import math
 from collections.abc import Callable
@@ -48,6 +54,17 @@ PARKED = "llamacpp:requests_preempted"
 KV_USED = "llamacpp:kv_cells_used"
 KV_TOTAL = "llamacpp:kv_cells_total"
 STALE_AFTER_POLLS = 3
+
+# set in the poller's task: its httpx records below WARNING are dropped (see _QuietPoller)
+_polling = contextvars.ContextVar("sidecar_readiness_polling", default=False)
+
+
+class _QuietPoller(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not _polling.get()
+
+
+_QUIET = _QuietPoller()
 
 
 def parse_samples(text: str) -> dict[str, float]:
@@ -153,6 +170,10 @@ async def poll_upstream(
 ) -> None:
     """Feed ``readiness`` from ``metrics_url`` every poll interval, until cancelled."""
     interval = readiness.poll_interval
+    httpx_log = logging.getLogger("httpx")
+    if _QUIET not in httpx_log.filters:
+        httpx_log.addFilter(_QUIET)
+    quiet = _polling.set(True)  # this task's context only, until the poller returns
     own = client is None
     client = client or httpx.AsyncClient(timeout=max(interval, 1.0))
     try:
@@ -168,6 +189,7 @@ async def poll_upstream(
                 readiness.failed(type(exc).__name__, clock())
             await anyio.sleep(max(0.0, interval - (clock() - started)))
     finally:
+        _polling.reset(quiet)
         if own:
             await client.aclose()
 

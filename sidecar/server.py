@@ -10,10 +10,12 @@ head: a client that sends its headers too slowly gets 408), hand it to a
 sides of the h11 connection are ``DONE``.  Malformed heads are answered with
 h11's status hint (400, 431, 501) and the connection is closed.
 
-Drain (SIGTERM in the CLI, :meth:`Sidecar.drain` here): the listeners stop
-accepting (new connections are refused), idle keep-alive connections are
+Drain (SIGTERM in the CLI, :meth:`Sidecar.drain` here): ``/ready`` answers
+503 from that moment (a balancer stops sending new work), the proxy listener
+stops accepting (new connections are refused), idle keep-alive connections are
 closed, running exchanges get ``drain_timeout`` seconds to finish, then
-everything left is cancelled.
+everything left is cancelled.  :meth:`Sidecar.stop` (the second signal) ends a
+drain that is under way at once.
 
 Programmatic API
 ----------------
@@ -22,7 +24,7 @@ Programmatic API
     with ``task_group.start(sidecar.run)`` it returns once both listeners are
     bound (``sidecar.url``, ``sidecar.metrics_url`` then hold the real ports,
     so ``listen="127.0.0.1:0"`` works).  ``sidecar.drain()`` starts a graceful
-    stop; ``sidecar.stop()`` stops at once.
+    stop; ``sidecar.stop()`` stops at once, a drain under way included.
 ``await serve(config, registry=None, *, task_status=...)``
     Shorthand for ``Sidecar(config, registry).run(task_status=...)``.
 
@@ -54,7 +56,7 @@ from sidecar.downstream import AccessRecord, answer_error, client_side, reason
 from sidecar.errors import ClientDisconnected, ClientError
 from sidecar.headers import get_header
 from sidecar.metrics import Metrics, status_class
-from sidecar.readiness import Readiness, poll_upstream
+from sidecar.readiness import Readiness, Verdict, poll_upstream
 from sidecar.relay import Context, Exchange
 from sidecar.transport import TransportStream, accepted
 from sidecar.upstream import UpstreamPool
@@ -99,13 +101,12 @@ class Sidecar:
         self.metrics_address: tuple[str, int] | None = None
         self._drain_requested: anyio.Event | None = None
         self._drain_timeout = config.drain_timeout
+        self._drain_scope: anyio.CancelScope | None = None
         self._idle_scopes: set[anyio.CancelScope] = set()
         self._conns: anyio.abc.TaskGroup | None = None
         self.readiness = Readiness(config.ready_poll, config.ready_min_free_kv)
         # scrapes run on the event loop, so the verdict is read with the loop's clock
-        self.metrics.ready.set_function(
-            lambda: float(self.readiness.verdict(anyio.current_time()).ready)
-        )
+        self.metrics.ready.set_function(lambda: float(self.ready_verdict().ready))
 
     @property
     def url(self) -> str:
@@ -124,10 +125,20 @@ class Sidecar:
         if timeout is not None:
             self._drain_timeout = timeout
         if self._drain_requested is not None:
+            self.ctx.draining = True  # /ready says 503 from now on
             self._drain_requested.set()
 
     def stop(self) -> None:
+        """Stop now: before a drain, or cutting one short (call from the loop thread)."""
         self.drain(0.0)
+        if self._drain_scope is not None:
+            self._drain_scope.cancel()
+
+    def ready_verdict(self) -> Verdict:
+        """What ``/ready`` answers now: never ready once a drain started."""
+        if self.ctx.draining:
+            return Verdict(False, "draining (shutting down)")
+        return self.readiness.verdict(anyio.current_time())
 
     async def run(
         self, *, task_status: anyio.abc.TaskStatus[Sidecar] = anyio.TASK_STATUS_IGNORED
@@ -165,7 +176,7 @@ class Sidecar:
                 accept_scope.cancel()
                 for scope in list(self._idle_scopes):
                     scope.cancel()
-                with anyio.move_on_after(self._drain_timeout):
+                with anyio.move_on_after(self._drain_timeout) as self._drain_scope:
                     await self.ctx.wait_idle()
                 conns.cancel_scope.cancel()
         finally:
@@ -280,7 +291,10 @@ class Sidecar:
         """
         cfg = self.config
         scope = anyio.CancelScope()
-        self._idle_scopes.add(scope)
+        if record:
+            # a drain closes idle proxy connections; the metrics listener's stay, so a
+            # balancer's kept-alive health check reads /ready's 503 rather than a reset
+            self._idle_scopes.add(scope)
         try:
             with scope:
                 wait = cfg.header_timeout if first else cfg.keepalive_timeout
@@ -409,7 +423,7 @@ class Sidecar:
         elif path == b"/healthz":
             body, status = b"ok\n", 200
         elif path == b"/ready":
-            verdict = self.readiness.verdict(anyio.current_time())
+            verdict = self.ready_verdict()
             body, status = verdict.body(), 200 if verdict.ready else 503
         else:
             body, status = b"not found: try /metrics, /healthz or /ready\n", 404

@@ -3,11 +3,14 @@ challenge, a 16 MB SSE line, and good chunks before a bad one."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 import anyio
+import httpx
 import pytest
 
+from sidecar.readiness import PARKED, Readiness, poll_upstream
 from sidecar.server import Sidecar
 from sidecar.sse import MAX_KEPT, Comment, SSEScanner
 from tests.proxy.conftest import SidecarFactory
@@ -181,3 +184,26 @@ async def test_a_space_inside_a_header_value_is_not_a_fold(
         resp = await c.read_response()
         assert (resp.status, resp.body) == (200, b"a\n b")  # the body may hold anything
     assert dict(fake.requests[0].headers)[b"X-A"] == b"1 2\t3"
+
+
+@pytest.mark.anyio
+async def test_the_readiness_poller_does_not_log_each_poll(
+    fake: FakeUpstream, caplog: pytest.LogCaptureFixture
+) -> None:
+    """httpx logs every request at INFO: one line a second, 86,400 a day, from the poller.
+
+    The poller's own requests are logged from WARNING up; any other httpx request in the
+    process keeps its INFO line.
+    """
+    fake.route("/metrics", [("head", 200, [(b"Content-Type", b"text/plain")]),
+                            ("send", f"{PARKED} 0\n".encode()), ("end",)])  # fmt: skip
+    readiness = Readiness(0.05)
+    caplog.set_level(logging.INFO)
+    with anyio.move_on_after(0.5):
+        await poll_upstream(readiness, fake.url + "/metrics")
+    assert readiness.verdict(anyio.current_time()).ready
+    assert len(fake.requests) >= 3
+    assert [r for r in caplog.records if r.name.startswith("httpx")] == []
+    async with httpx.AsyncClient() as other:
+        await other.get(fake.url + "/metrics")
+    assert any(r.name == "httpx" and r.levelno == logging.INFO for r in caplog.records)
