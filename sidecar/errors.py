@@ -14,8 +14,10 @@ rest of the code catches only ``SidecarError`` subclasses.
     +-- ClientError (400)             the request is at fault; answer and close
     |   +-- BadRequest (400)          malformed request, conflicting framing
     |   +-- Unauthorized (401)        --api-key mismatch
+    |   +-- Forbidden (403)           a route a priority rule cannot reach
     |   +-- RequestTimeout (408)      headers or body too slow
     |   +-- PayloadTooLarge (413)     body over --max-body
+    |   +-- UnsupportedMediaType (415)  a body a priority rule cannot reach
     |   +-- HeadersTooLarge (431)     request head over the limit
     |   +-- UnsupportedFraming (501)  unknown transfer coding
     |   +-- MethodNotSupported (501)  CONNECT (the sidecar is no tunnel)
@@ -39,6 +41,7 @@ __all__ = [
     "BadRequest",
     "ClientDisconnected",
     "ClientError",
+    "Forbidden",
     "HeadersTooLarge",
     "MethodNotSupported",
     "PayloadTooLarge",
@@ -46,6 +49,7 @@ __all__ = [
     "SidecarError",
     "Unauthorized",
     "UnsupportedFraming",
+    "UnsupportedMediaType",
     "UpstreamConnectError",
     "UpstreamDisconnected",
     "UpstreamError",
@@ -77,6 +81,11 @@ class Unauthorized(ClientError):
     kind = "unauthorized"
 
 
+class Forbidden(ClientError):
+    status_hint = 403
+    kind = "forbidden"
+
+
 class RequestTimeout(ClientError):
     status_hint = 408
     kind = "request_timeout"
@@ -85,6 +94,11 @@ class RequestTimeout(ClientError):
 class PayloadTooLarge(ClientError):
     status_hint = 413
     kind = "payload_too_large"
+
+
+class UnsupportedMediaType(ClientError):
+    status_hint = 415
+    kind = "unsupported_media_type"
 
 
 class HeadersTooLarge(ClientError):

@@ -15,9 +15,13 @@ sidecar connection (cheap), never a llama-server HTTP thread.  The body has
 ``Expect: 100-continue`` is answered once the checks passed.  The work between
 two yields of the loop is bounded, so a body of tiny chunks cannot hold it.
 
-:func:`apply_priority` writes the operator's ``priority`` into a completion
-body (:mod:`sidecar.priority`); :func:`upstream_headers` is the head that goes
-upstream: hop-by-hop fields removed, ``X-Forwarded-For``/``-Proto`` added.
+:func:`apply_priority` gives a request that llama-server would run as a
+generation the operator's ``priority`` (:mod:`sidecar.routes` says which,
+:mod:`sidecar.priority` splices the field in), or refuses it; the body is
+scanned and copied ``SPLICE_STEP_BYTES`` at a time with a yield between steps,
+so a large body holds the event loop no longer than a small one.
+:func:`upstream_headers` is the head that goes upstream: hop-by-hop fields
+removed, ``X-Forwarded-For``/``-Proto`` added.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from dataclasses import dataclass
 
 import anyio
 import anyio.lowlevel
-import anyio.to_thread
 import h11
 
 from sidecar.adapter import H11Stream
@@ -37,13 +40,16 @@ from sidecar.config import Config
 from sidecar.downstream import client_side
 from sidecar.errors import (
     BadRequest,
+    Forbidden,
     MethodNotSupported,
     PayloadTooLarge,
     RequestTimeout,
     Unauthorized,
+    UnsupportedMediaType,
 )
 from sidecar.headers import REQUEST_DROP, Headers, filter_headers, get_header, set_header
-from sidecar.priority import PRIORITY_ROUTES, PriorityRules, with_priority
+from sidecar.priority import NotAnObject, PriorityRules, PrioritySplice
+from sidecar.routes import RouteKind, classify, normalise_path
 from sidecar.upstream import RequestBody
 
 __all__ = ["RequestPlan", "apply_priority", "check_request", "read_body", "upstream_headers"]
@@ -56,8 +62,9 @@ _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 # ChunkedDecoder); either is about a millisecond when every chunk holds one byte.
 BODY_EVENTS_PER_STEP = 64
 CHUNKED_STEP_BYTES = 4096
-# bodies larger than this get their priority set on a worker thread (JSON parse and dump)
-PRIORITY_INLINE_PARSE = 256 * 1024
+# Body bytes the priority splice scans (or copies) before the task yields: a few C-speed
+# scans of 64 KiB pieces each, well under a millisecond.
+SPLICE_STEP_BYTES = 1024 * 1024
 
 
 @dataclass
@@ -181,33 +188,96 @@ async def apply_priority(
     rules: PriorityRules,
     in_memory: int,
 ) -> tuple[RequestBody | None, str | None, int | None]:
-    """The body with the operator's ``priority`` set where it applies.
+    """The body with the operator's ``priority`` set where it applies, or a ClientError.
 
-    Returns the body to forward, the outcome (``"set"``, ``"unparsed"``, or
-    None when no rule applies) and the priority set.  Only JSON completion
-    bodies, and only once a priority rule is configured; a body that does not
-    parse as a JSON object goes through unchanged.  A large body is parsed on
-    a worker thread so that the event loop keeps serving.
+    Returns the body to forward, the outcome (``"set"``, or None when no rule
+    applies) and the priority set.  Once a rule is active, a POST that
+    llama-server would run as a generation gets the priority spliced into its
+    body; one that cannot be given it is refused, not forwarded: a path that
+    needs normalising (400), a route llama-server's table does not have (403),
+    a multipart or content-encoded body (415), a body that is not a JSON object
+    (400).  ``body`` is closed when another is returned and when a refusal is
+    raised.
     """
-    route = request.target.split(b"?", 1)[0]
-    if body is None or not rules.active or request.method != b"POST":
+    if not rules.active:
         return body, None, None
-    if route not in PRIORITY_ROUTES:
+    kind = classify(request.method, request.target)
+    if kind is RouteKind.OTHER:
         return body, None, None
-    header = get_header(request.headers.raw_items(), rules.header) if rules.header else None
-    priority = rules.priority_for(plan.key_given, header)
-    if body.size > PRIORITY_INLINE_PARSE:
-        # reading it back (from the temporary file past --body-buffer) happens there too
-        rewritten = await anyio.to_thread.run_sync(_rewrite, body, priority)
-    else:
-        rewritten = _rewrite(body, priority)
-    if rewritten is None:
-        return body, "unparsed", None
+    try:
+        _refuse_unreachable(kind, request)
+        if body is None:
+            raise BadRequest("a priority rule is on: the body must be a JSON object")
+        header = get_header(request.headers.raw_items(), rules.header) if rules.header else None
+        priority = rules.priority_for(plan.key_given, header)
+        spliced = await _splice(body, priority, in_memory)
+    except BaseException:
+        if body is not None:
+            body.close()
+        raise
     body.close()
-    body = RequestBody(in_memory)
-    body.append(rewritten)
-    return body, "set", priority
+    return spliced, "set", priority
 
 
-def _rewrite(body: RequestBody, priority: int) -> bytes | None:
-    return with_priority(b"".join(body.pieces()), priority)
+def _refuse_unreachable(kind: RouteKind, request: h11.Request) -> None:
+    """Raise for a POST whose generation the priority could not reach."""
+    target = request.target
+    if kind is RouteKind.UNNORMALISED:
+        shown = normalise_path(target).decode("latin-1", "replace")
+        raise BadRequest(
+            f"a priority rule is on: POST paths must be sent as they are, without "
+            f"%-escapes or a fragment (llama-server reads this one as {shown!r})"
+        )
+    if kind is RouteKind.UNKNOWN:
+        path = target.split(b"?", 1)[0].decode("latin-1", "replace")
+        raise Forbidden(
+            f"a priority rule is on: POST {path} is not a llama-server route the "
+            f"sidecar knows, so it cannot give it a priority"
+        )
+    for name, value in request.headers:
+        # llama-server reads a multipart form's fields, or inflates a compressed body, where
+        # the spliced field is not
+        if name == b"content-type" and b"multipart" in value.lower():
+            raise UnsupportedMediaType(
+                "a priority rule is on: the body must be a JSON object, not a multipart form"
+            )
+        if name == b"content-encoding" and value.strip().lower() != b"identity":
+            raise UnsupportedMediaType(
+                "a priority rule is on: the body must be a JSON object without a Content-Encoding"
+            )
+
+
+async def _splice(body: RequestBody, priority: int, in_memory: int) -> RequestBody:
+    """A copy of ``body`` with the priority spliced in; two passes in bounded steps."""
+    splice = PrioritySplice()
+    step = 0
+    for piece in body.pieces():
+        splice.feed(piece)
+        step += len(piece)
+        if step >= SPLICE_STEP_BYTES:
+            step = 0
+            await anyio.lowlevel.checkpoint()
+    try:
+        at, text = splice.finish(priority)
+    except NotAnObject as exc:
+        raise BadRequest(f"a priority rule is on: {exc}") from None
+    out = RequestBody(in_memory)
+    try:
+        offset = step = 0
+        for piece in body.pieces():
+            if offset <= at < offset + len(piece):
+                cut = at - offset
+                out.append(piece[:cut])
+                out.append(text)
+                out.append(piece[cut:])
+            else:
+                out.append(piece)
+            offset += len(piece)
+            step += len(piece)
+            if step >= SPLICE_STEP_BYTES:
+                step = 0
+                await anyio.lowlevel.checkpoint()
+    except BaseException:
+        out.close()
+        raise
+    return out

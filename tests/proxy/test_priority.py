@@ -49,18 +49,18 @@ async def test_priority_from_key_header_or_default(
     assert f'llama_sidecar_priority_requests_total{{outcome="set"}} {3 * len(cases)}.0' in metrics
 
 
-async def test_a_body_that_is_not_json_goes_through_unchanged_and_counted(
+async def test_a_body_that_is_not_a_json_object_is_refused_and_counted(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
     fake.route("/completion", [("echo",)])
     async with sidecar_factory(fake.url, **RULES) as sc, httpx.AsyncClient() as c:
         for raw in (b"not json", b"[1, 2]", b'{"prompt": "cut'):
             r = await c.post(sc.url + "/completion", content=raw, headers={"X-Priority": "3"})
-            assert r.status_code == 200
-            assert r.content == raw
+            assert r.status_code == 400
+            assert "JSON object" in r.json()["error"]["message"]
         metrics = (await c.get(sc.metrics_url or "")).text
-    assert 'llama_sidecar_priority_requests_total{outcome="unparsed"} 3.0' in metrics
-    assert sent(fake) == [b"not json", b"[1, 2]", b'{"prompt": "cut']
+    assert 'llama_sidecar_priority_requests_total{outcome="refused"} 3.0' in metrics
+    assert sent(fake) == []
 
 
 async def test_without_rules_bodies_are_untouched(
@@ -77,7 +77,7 @@ async def test_a_large_body_is_rewritten_too(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
     fake.route("/completion", [("echo",)])
-    prompt = "word " * 200_000  # 1 MB: parsed off the event loop
+    prompt = "word " * 200_000  # 1 MB: spliced in steps
     async with sidecar_factory(fake.url, **RULES) as sc, httpx.AsyncClient(timeout=30) as c:
         r = await c.post(sc.url + "/completion", json={"prompt": prompt},
                          headers={"Authorization": "Bearer batch"})  # fmt: skip
