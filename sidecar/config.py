@@ -118,6 +118,10 @@ class Config:
     upstream_head_timeout: float = field(default=600.0, metadata=_doc(
         "SECONDS", "Time upstream has for its response head once the request is sent (504); "
         "llama-server sends it with the first token, or at the end when not streaming."))
+    send_timeout: float = field(default=60.0, metadata=_doc(
+        "SECONDS", "A client that takes no byte of its response for this long (it stopped "
+        "reading) is disconnected and its upstream request cancelled, like nginx's "
+        "send_timeout."))
     upstream_max_idle: int = field(default=64, metadata=_doc(
         "N", "Idle upstream keep-alive connections kept in the pool."))
     ready_poll: float = field(default=1.0, metadata=_doc(
@@ -144,7 +148,7 @@ class Config:
             parse_hostport(self.metrics_listen)
         for name in (
             "park_keepalive", "idle_keepalive", "header_timeout", "body_timeout",
-            "keepalive_timeout", "connect_timeout", "upstream_head_timeout",
+            "keepalive_timeout", "connect_timeout", "upstream_head_timeout", "send_timeout",
         ):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

@@ -143,6 +143,11 @@ class Metrics:
             ["phase"],
             registry=r,
         )
+        self.send_timeouts = Counter(
+            f"{p}_send_timeouts",
+            "Clients cut off because they took no byte of their response for --send-timeout",
+            registry=r,
+        )
         self.upstream_errors = Counter(
             f"{p}_upstream_errors",
             "Upstream failures by kind (connect, timeout, protocol, disconnect)",

@@ -171,8 +171,13 @@ class Exchange:
                     body.close()
             keep_alive = True
         except ClientDisconnected:
-            self.rec.outcome = "client_disconnected"
-            self.metrics.disconnect(self.monitor.phase)
+            if self.client.stream.send_timed_out:
+                # cut off by us (--send-timeout), not gone by itself
+                self.rec.outcome = "send_timeout"
+                self.metrics.send_timeouts.inc()
+            else:
+                self.rec.outcome = "client_disconnected"
+                self.metrics.disconnect(self.monitor.phase)
         except ClientError as exc:
             self.rec.outcome = exc.kind
             await self._answer_error(exc.status_hint, str(exc))

@@ -225,7 +225,7 @@ class Sidecar:
                 await anyio.sleep(0.1)
                 continue
             try:
-                stream = await accepted(client)
+                stream = await accepted(client, self.config.send_timeout)
             except OSError:
                 client.close()
                 continue

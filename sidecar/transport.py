@@ -28,6 +28,19 @@ cancel scopes, task groups) uses it unchanged:
   the connection from ``sink.lost``.  Only the stream's owner (the relay pump
   of the exchange using the connection) installs and removes a sink.
 
+* **A send timeout** (:meth:`set_send_timeout`, nginx's ``send_timeout``):
+  while written bytes wait in the transport's buffer (the kernel's is full: the
+  peer stopped reading), a timer checks every ``send_timeout`` seconds that the
+  peer took some bytes since the last check.  A peer that took nothing for that
+  long is cut off (:attr:`send_timed_out`, then the connection is aborted):
+  whoever waits on it sees the connection lost, whoever writes to it fails.
+  Progress is counted in bytes the peer acknowledged (written, less what waits
+  in the transport and in the kernel's send queue, ``TIOCOUTQ``): the socket
+  becomes writable again only once a third of a send buffer of megabytes has
+  drained, so a slow reader that keeps reading would look stalled to a check
+  on writability alone.  A full buffer is checked whether or not a task waits
+  on it (a parked stream's keepalive comments are written from a timer).
+
 Cancellation works as with anyio's own streams: on asyncio a cancelled scope
 cancels the task, which raises ``CancelledError`` at the awaited future.
 """
@@ -35,7 +48,10 @@ cancels the task, which raises ``CancelledError`` at the awaited future.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import socket
+import struct
+import termios
 from collections import deque
 from collections.abc import Callable, Mapping
 from contextlib import suppress
@@ -49,6 +65,8 @@ __all__ = ["READ_HIGH_WATER", "Sink", "TransportStream"]
 
 # Queued-but-unread bytes at which reading pauses, and resumes below a quarter.
 READ_HIGH_WATER = 256 * 1024
+# the ioctl that gives the bytes of a socket's send queue not yet acknowledged (Linux)
+_TIOCOUTQ: int | None = getattr(termios, "TIOCOUTQ", None)
 
 
 class Sink(Protocol):
@@ -76,6 +94,11 @@ class TransportStream(anyio.abc.ByteStream, asyncio.Protocol):
         self._waiter: asyncio.Future[None] | None = None
         self._drain_waiter: asyncio.Future[None] | None = None
         self._sink: Sink | None = None
+        self._written = 0  # bytes handed to the transport
+        self._send_timeout: float | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._sent_mark = 0
+        self.send_timed_out = False
 
     # ------------------------------------------------------------ protocol
 
@@ -105,6 +128,7 @@ class TransportStream(anyio.abc.ByteStream, asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
+        self._stop_send_timer()
         if exc is not None:
             self._error = exc
         self._wake()
@@ -114,10 +138,54 @@ class TransportStream(anyio.abc.ByteStream, asyncio.Protocol):
 
     def pause_writing(self) -> None:
         self._write_paused = True
+        if self._send_timeout is not None and self._send_timer is None:
+            self._sent_mark = self._sent()
+            self._send_timer = self._loop.call_later(self._send_timeout, self._send_check)
 
     def resume_writing(self) -> None:
         self._write_paused = False
+        self._stop_send_timer()
         self._wake_drain()
+
+    # --------------------------------------------------------- send timeout
+
+    def set_send_timeout(self, seconds: float | None) -> None:
+        """Cut the peer off once it has taken no byte for ``seconds`` (None: never)."""
+        self._send_timeout = seconds
+
+    def _sent(self) -> int:
+        """Bytes the peer took: written, less what waits in the transport and the kernel."""
+        transport = self._transport
+        if transport is None:
+            return self._written
+        waiting = transport.get_write_buffer_size()
+        sock = transport.get_extra_info("socket")
+        if _TIOCOUTQ is not None and sock is not None:
+            try:
+                queued = fcntl.ioctl(sock.fileno(), _TIOCOUTQ, b"\0\0\0\0")
+                waiting += struct.unpack("i", queued)[0]
+            except (OSError, ValueError):
+                pass  # then bytes that reached the kernel count as taken
+        return self._written - waiting
+
+    def _send_check(self) -> None:
+        self._send_timer = None
+        if not self._write_paused or self._lost or self._closed:
+            return
+        sent = self._sent()
+        if sent > self._sent_mark:
+            self._sent_mark = sent  # the peer is reading, however slowly
+            assert self._send_timeout is not None
+            self._send_timer = self._loop.call_later(self._send_timeout, self._send_check)
+            return
+        self.send_timed_out = True
+        if self._transport is not None:
+            self._transport.abort()  # connection_lost follows: waiters wake, writes fail
+
+    def _stop_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
 
     def _wake(self) -> None:
         waiter = self._waiter
@@ -207,6 +275,7 @@ class TransportStream(anyio.abc.ByteStream, asyncio.Protocol):
         transport = self._transport
         if self._lost or transport is None or transport.is_closing():
             raise anyio.BrokenResourceError from self._error
+        self._written += len(data)
         transport.write(data)
 
     async def send(self, item: bytes) -> None:
@@ -236,6 +305,7 @@ class TransportStream(anyio.abc.ByteStream, asyncio.Protocol):
         """Close at once (anyio's semantics: unsent bytes are dropped)."""
         self._closed = True
         self._sink = None
+        self._stop_send_timer()
         if self._transport is not None:
             self._transport.abort()
         self._wake()
@@ -262,9 +332,10 @@ async def connect(host: str, port: int) -> TransportStream:
     return stream
 
 
-async def accepted(sock: socket.socket) -> TransportStream:
-    """Wrap a freshly accepted socket."""
+async def accepted(sock: socket.socket, send_timeout: float | None = None) -> TransportStream:
+    """Wrap a freshly accepted socket (see :meth:`TransportStream.set_send_timeout`)."""
     loop = asyncio.get_running_loop()
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     _, stream = await loop.connect_accepted_socket(TransportStream, sock)
+    stream.set_send_timeout(send_timeout)
     return stream
