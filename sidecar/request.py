@@ -194,7 +194,8 @@ async def apply_priority(
     applies) and the priority set.  Once a rule is active, a POST that
     llama-server would run as a generation gets the priority spliced into its
     body; one that cannot be given it is refused, not forwarded: a path that
-    needs normalising (400), a route llama-server's table does not have (403),
+    needs normalising (400), a route llama-server's table does not have or one
+    whose handler drops the field (403),
     a multipart or content-encoded body (415), a body that is not a JSON object
     (400).  ``body`` is closed when another is returned and when a refusal is
     raised.
@@ -227,6 +228,12 @@ def _refuse_unreachable(kind: RouteKind, request: h11.Request) -> None:
         raise BadRequest(
             f"a priority rule is on: POST paths must be sent as they are, without "
             f"%-escapes or a fragment (llama-server reads this one as {shown!r})"
+        )
+    if kind is RouteKind.DROPS_PRIORITY:
+        path = target.split(b"?", 1)[0].decode("latin-1", "replace")
+        raise Forbidden(
+            f"a priority rule is on: llama-server drops the priority of a POST {path} "
+            f"request (it keeps only the fields it converts), so the sidecar refuses it"
         )
     if kind is RouteKind.UNKNOWN:
         path = target.split(b"?", 1)[0].decode("latin-1", "replace")

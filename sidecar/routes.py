@@ -15,8 +15,9 @@ compared with the table here; :func:`classify` says what a request is to the pri
 rule.  While a rule is on, the sidecar refuses a POST whose path needs normalising at all
 (no client of the API needs ``%`` or ``#`` in a route), and a POST to a path that is not
 in the table (the Vertex AI prediction route, for one, which dispatches to any route from
-inside its body, and whatever a later llama-server adds): a request it cannot place is
-not forwarded.
+inside its body, and whatever a later llama-server adds), and a POST to a generating route
+whose handler drops the body's ``priority`` (:data:`PRIORITY_DROPPED`): a request it
+cannot give the priority is not forwarded.
 
 The table is kept here and nowhere else.  ``tests/hostile/test_priority_bypass.py`` reads
 the route registrations of the pinned llama-server source and fails when a route is
@@ -30,8 +31,8 @@ import enum
 import re
 
 __all__ = [
-    "GENERATING_ROUTES", "OTHER_POST_ROUTES", "RouteKind", "classify", "needs_normalising",
-    "normalise_path",
+    "GENERATING_ROUTES", "OTHER_POST_ROUTES", "PRIORITY_DROPPED", "RouteKind", "classify",
+    "needs_normalising", "normalise_path",
 ]  # fmt: skip
 
 # POST routes whose handler runs a generation (a completion task): the bodies that must
@@ -46,6 +47,11 @@ GENERATING_ROUTES = frozenset({
     b"/infill",
     b"/v1/audio/transcriptions", b"/audio/transcriptions",
 })  # fmt: skip
+
+# Generating routes whose handler drops a body's "priority" before the task is made:
+# llama-server's Anthropic Messages conversion builds a new body from the fields it knows.
+# The priority cannot reach these, so while a rule is on they are refused.
+PRIORITY_DROPPED = frozenset({b"/v1/messages"})
 
 # POST routes that do not generate (embeddings, rerank and token counting run no
 # completion; control acts on a running one; the rest are administration), relayed as
@@ -72,6 +78,7 @@ _PERCENT = re.compile(rb"%(?:u([0-9A-Fa-f]{4})|([0-9A-Fa-f]{2}))")
 
 class RouteKind(enum.Enum):
     GENERATES = "generates"  # a POST to a generating route: gets the priority
+    DROPS_PRIORITY = "drops_priority"  # a generating route that loses a body's priority
     OTHER = "other"  # a known route that does not generate, or not a POST
     UNKNOWN = "unknown"  # a POST to a path the table does not have
     UNNORMALISED = "unnormalised"  # a POST whose path needs normalising
@@ -122,6 +129,8 @@ def classify(method: bytes, target: bytes) -> RouteKind:
     if needs_normalising(target):
         return RouteKind.UNNORMALISED
     path = target.split(b"?", 1)[0]
+    if path in PRIORITY_DROPPED:
+        return RouteKind.DROPS_PRIORITY
     if path in GENERATING_ROUTES:
         return RouteKind.GENERATES
     if any(_matches(route, path) for route in OTHER_POST_ROUTES):

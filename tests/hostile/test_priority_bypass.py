@@ -67,13 +67,14 @@ REFUSED = [
      json.dumps({"instances": [{"@requestFormat": "completion", **PROMPT,
                                 "priority": WANTED}]}).encode()),
     ("array", b"/completion", b"", b"[" + body(PROMPT) + b"]"),
+    # llama-server's Anthropic conversion keeps only the fields it knows: the priority is lost
+    ("messages", b"/v1/messages", b"", body(CHAT)),
 ]  # fmt: skip
 
 # (name, target, body): forwarded with the operator's priority as the object's last member
 SPLICED = [
     ("responses", b"/v1/responses",
      body({"input": "hello", "max_output_tokens": 16, "temperature": 0})),
-    ("messages", b"/v1/messages", body(CHAT)),
     ("depth 2000", b"/completion", DEEP_BODY),
     ("escaped key", b"/completion",
      json.dumps(PROMPT).encode()[:-1] + b',"pri\\u006frity":1000000}'),
@@ -193,7 +194,7 @@ def test_the_route_list_is_llama_servers_route_table() -> None:
 # class of its priority: low (< 0), normal (0), high (> 0)
 FORCED_PARKS = {"LLAMA_SERVER_PREEMPT_EVERY": "2"}
 SERVER_ARGS = ["--kv-unified", "--metrics", "--slots", "-t", "1", "-tb", "1", "--no-warmup",
-               "--preempt-ram", "1024", "-c", "1024", "-np", "1"]  # fmt: skip
+               "--preempt-ram", "1024", "-c", "512", "-np", "2"]  # fmt: skip
 
 
 def parks_by_class(url: str) -> dict[str, float]:
@@ -236,8 +237,12 @@ def test_no_attack_runs_above_the_operators_priority_on_the_real_server(
     assert not above, f"ran above the operator's priority: {above}"
     assert status == 200
     assert plain["low"] > 0, plain
-    # what generated at all was spliced, and parked at the operator's (low) priority
+    # the spliced ones generated, parked at the operator's (low) priority; the refused ones
+    # never reached llama-server
     for name, _, _ in SPLICED:
-        if ran[name][0] == 200:
-            assert ran[name][1]["low"] > 0, (name, ran[name])
+        assert ran[name][0] == 200, (name, ran[name])
+        assert ran[name][1]["low"] > 0, (name, ran[name])
+    for name, *_ in REFUSED:
+        assert ran[name][0] in (400, 403, 415), (name, ran[name])
+        assert not any(ran[name][1].values()), (name, ran[name])
     assert srv.alive()

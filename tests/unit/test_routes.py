@@ -7,6 +7,7 @@ import pytest
 from sidecar.routes import (
     GENERATING_ROUTES,
     OTHER_POST_ROUTES,
+    PRIORITY_DROPPED,
     RouteKind,
     classify,
     needs_normalising,
@@ -63,7 +64,7 @@ def test_needs_normalising(target: bytes, want: bool) -> None:
         (b"POST", b"/v1/chat/completions", RouteKind.GENERATES),
         (b"POST", b"/v1/chat/completions?stream=1", RouteKind.GENERATES),
         (b"POST", b"/v1/responses", RouteKind.GENERATES),
-        (b"POST", b"/v1/messages", RouteKind.GENERATES),
+        (b"POST", b"/v1/messages", RouteKind.DROPS_PRIORITY),
         (b"POST", b"/infill", RouteKind.GENERATES),
         (b"POST", b"/audio/transcriptions", RouteKind.GENERATES),
         (b"POST", b"/v1/chat/completion%73", RouteKind.UNNORMALISED),
@@ -88,4 +89,5 @@ def test_classify(method: bytes, target: bytes, want: RouteKind) -> None:
 
 def test_the_tables_do_not_overlap() -> None:
     assert not GENERATING_ROUTES & OTHER_POST_ROUTES
+    assert PRIORITY_DROPPED <= GENERATING_ROUTES
     assert all(r.startswith(b"/") for r in GENERATING_ROUTES | OTHER_POST_ROUTES)
