@@ -17,6 +17,14 @@ closed, running exchanges get ``drain_timeout`` seconds to finish, then
 everything left is cancelled.  :meth:`Sidecar.stop` (the second signal) ends a
 drain that is under way at once.
 
+At the descriptor limit (``EMFILE``, ``ENFILE``) accepting fails until a
+connection closes: the listener backs off (``ACCEPT_BACKOFF``, doubling) and
+logs once per ``ACCEPT_LOG_EVERY`` seconds with the count of failures, instead
+of a line per try.  One descriptor is held in reserve for the metrics listener:
+when its accept fails for that reason the reserve is closed and the connection
+accepted in its place, so ``/healthz`` and ``/ready`` still answer while the
+proxy is full (the reserve is taken back at the next chance).
+
 Programmatic API
 ----------------
 ``Sidecar(config, registry=None)``
@@ -35,6 +43,7 @@ Test helpers (a config on free ports, a sidecar in a thread or a child process) 
 from __future__ import annotations
 
 import asyncio
+import errno
 import importlib.util
 import logging
 import os
@@ -67,6 +76,54 @@ log = logging.getLogger("sidecar")
 access_log = logging.getLogger("sidecar.access")
 # The metrics listener expects no request bodies; a small one is read and dropped.
 METRICS_MAX_BODY = 64 * 1024
+# accept() at the descriptor limit: first and longest pause between tries, and how often
+# the failures are logged
+ACCEPT_BACKOFF = (0.05, 1.0)
+ACCEPT_LOG_EVERY = 10.0
+_OUT_OF_DESCRIPTORS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
+
+
+class AcceptFailures:
+    """One listener's failed accepts: the pause before the next try, and when to log."""
+
+    def __init__(self, log_every: float = ACCEPT_LOG_EVERY) -> None:
+        self.log_every = log_every
+        self._pause = 0.0
+        self._unreported = 0
+        self._reported_at: float | None = None
+
+    def failed(self, now: float) -> tuple[float, int]:
+        """The pause before the next try, and the failures to log now (0: stay quiet)."""
+        self._pause = min(ACCEPT_BACKOFF[1], max(ACCEPT_BACKOFF[0], self._pause * 2))
+        self._unreported += 1
+        if self._reported_at is not None and now - self._reported_at < self.log_every:
+            return self._pause, 0
+        self._reported_at = now
+        count, self._unreported = self._unreported, 0
+        return self._pause, count
+
+    def succeeded(self) -> None:
+        self._pause = 0.0
+
+
+class _Reserve:
+    """One descriptor held back, so that the metrics listener can accept at the limit."""
+
+    def __init__(self) -> None:
+        self.fd: int | None = None
+        self.take()
+
+    def take(self) -> None:
+        if self.fd is None:
+            with suppress(OSError):
+                self.fd = os.open(os.devnull, os.O_RDONLY)
+
+    def give_up(self) -> bool:
+        if self.fd is None:
+            return False
+        os.close(self.fd)
+        self.fd = None
+        return True
 
 
 def _use_uvloop() -> bool:
@@ -104,6 +161,7 @@ class Sidecar:
         self._drain_scope: anyio.CancelScope | None = None
         self._idle_scopes: set[anyio.CancelScope] = set()
         self._conns: anyio.abc.TaskGroup | None = None
+        self._reserve: _Reserve | None = None
         self.readiness = Readiness(config.ready_poll, config.ready_min_free_kv)
         # scrapes run on the event loop, so the verdict is read with the loop's clock
         self.metrics.ready.set_function(lambda: float(self.ready_verdict().ready))
@@ -144,6 +202,7 @@ class Sidecar:
         self, *, task_status: anyio.abc.TaskStatus[Sidecar] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         self._drain_requested = anyio.Event()
+        self._reserve = _Reserve()
         host, port = self.config.listen_addr
         listener = await anyio.create_tcp_listener(local_host=host, local_port=port, backlog=1024)
         self.address = _bound(listener)
@@ -185,6 +244,8 @@ class Sidecar:
                 if mlistener is not None:
                     await mlistener.aclose()
                 await self.ctx.upstream.aclose()
+                if self._reserve is not None:
+                    self._reserve.give_up()
 
     async def _accept_loop(
         self,
@@ -201,16 +262,24 @@ class Sidecar:
         with scope:
             async with anyio.create_task_group() as tg:
                 for sock in socks:
-                    tg.start_soon(self._accept_socket, sock, handler)
+                    tg.start_soon(
+                        self._accept_socket, sock, handler, handler == self._handle_metrics
+                    )
         # Closing the listening socket makes new connections fail at once.
         with anyio.CancelScope(shield=True):
             await listener.aclose()
 
     async def _accept_socket(
-        self, sock: socket.socket, handler: Callable[[TransportStream], Coroutine[Any, Any, None]]
+        self,
+        sock: socket.socket,
+        handler: Callable[[TransportStream], Coroutine[Any, Any, None]],
+        use_reserve: bool,
     ) -> None:
         loop = asyncio.get_running_loop()
         assert self._conns is not None
+        assert self._reserve is not None
+        reserve = self._reserve
+        failures = AcceptFailures()
         while True:
             try:
                 client, _ = await loop.sock_accept(sock)
@@ -221,9 +290,23 @@ class Sidecar:
                 raise
             except OSError as exc:
                 # EMFILE and friends: keep serving the connections we have.
-                log.warning("accept failed: %s", exc)
-                await anyio.sleep(0.1)
-                continue
+                got = None
+                if use_reserve and exc.errno in _OUT_OF_DESCRIPTORS and reserve.give_up():
+                    got = _accept_now(sock)  # no await: nobody else takes the descriptor
+                if got is None:
+                    pause, count = failures.failed(loop.time())
+                    if count:
+                        log.warning(
+                            "accept failed on %s: %s (%d time(s) since the last report; "
+                            "retrying with back-off, reported every %g s)",
+                            _name(sock), exc, count, failures.log_every,
+                        )  # fmt: skip
+                    await anyio.sleep(pause)
+                    reserve.take()
+                    continue
+                client = got
+            failures.succeeded()
+            reserve.take()
             try:
                 stream = await accepted(client, self.config.send_timeout)
             except OSError:
@@ -455,3 +538,21 @@ async def serve(
 
 def _has_te(request: h11.Request) -> bool:
     return get_header(request.headers.raw_items(), b"transfer-encoding") is not None
+
+
+def _accept_now(sock: socket.socket) -> socket.socket | None:
+    """A pending connection of a non-blocking listening socket, or None."""
+    try:
+        client, _ = sock.accept()
+    except OSError:
+        return None
+    client.setblocking(False)
+    return client
+
+
+def _name(sock: socket.socket) -> str:
+    try:
+        host, port = sock.getsockname()[:2]
+    except (OSError, ValueError):
+        return "a listener"
+    return format_hostport(str(host), int(port))

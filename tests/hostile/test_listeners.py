@@ -11,8 +11,10 @@ only that connection.
 from __future__ import annotations
 
 import socket
+import sys
 import threading
 import time
+from urllib.parse import urlsplit
 
 import anyio
 import httpx
@@ -20,11 +22,13 @@ import pytest
 from anyio.abc import SocketAttribute
 
 from sidecar.adapter import H11Stream
+from sidecar.config import config_argv
 from sidecar.server import Sidecar
 from tests.proxy.conftest import SidecarFactory
 from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream, chunk, fake_upstream_in_thread, sse_head
-from tests.support.sidecar import ephemeral_config, start_subprocess
+from tests.support.procs import ManagedProcess
+from tests.support.sidecar import READY_RE, ephemeral_config, start_subprocess
 
 GET_HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: m\r\n\r\n"
 GET_METRICS = b"GET /metrics HTTP/1.1\r\nHost: m\r\n\r\n"
@@ -215,3 +219,51 @@ def test_idle_metrics_connections_past_30_s_leave_the_process_serving() -> None:
         finally:
             code = proc.terminate(timeout=5)
         assert code == 0
+
+
+FD_LIMIT = 64
+_LIMITED_MAIN = (
+    f"import resource; resource.setrlimit(resource.RLIMIT_NOFILE, ({FD_LIMIT}, {FD_LIMIT})); "
+    "from sidecar.cli.proxy import main; main()"
+)
+
+
+def test_at_the_descriptor_limit_the_sidecar_backs_off_and_answers_healthz() -> None:
+    """``EMFILE``: back off, log once per interval, and keep answering ``/healthz``.
+
+    A sidecar limited to 64 descriptors gets 100 idle client connections.  It used to
+    retry ``accept`` ten times a second per listener with a log line each time (27 lines a
+    second were seen), and the metrics listener was as stuck as the proxy.  Now the
+    failures are reported once per interval, and a descriptor held in reserve lets the
+    metrics listener answer.  Once the clients leave, the proxy serves again.
+    """
+    with fake_upstream_in_thread() as fake:
+        config = ephemeral_config(fake.url, header_timeout=60.0)
+        proc = ManagedProcess(
+            [sys.executable, "-c", _LIMITED_MAIN, *config_argv(config)], "sidecar",
+            {"PYTHONUNBUFFERED": "1"}, ready=lambda p: READY_RE.search(p.output()) is not None,
+        ).start(20)  # fmt: skip
+        try:
+            m = READY_RE.search(proc.output())
+            assert m is not None
+            proxy, metrics = urlsplit(m.group(1)), urlsplit(m.group(2))
+            assert proxy.hostname
+            assert proxy.port
+            assert metrics.hostname
+            assert metrics.port
+            idle = [socket.create_connection((proxy.hostname, proxy.port)) for _ in range(100)]
+            try:
+                time.sleep(3.0)  # the sidecar is at its limit, trying to accept the rest
+                failures = [line for line in proc.lines if "accept failed" in line]
+                assert 1 <= len(failures) <= 2, failures
+                assert "Too many open files" in failures[0]
+                for _ in range(3):  # one after the other, each on a new connection
+                    r = httpx.get(f"http://{metrics.hostname}:{metrics.port}/healthz", timeout=10)
+                    assert (r.status_code, r.text) == (200, "ok\n")
+            finally:
+                for s in idle:
+                    s.close()
+            r = httpx.get(m.group(1) + "/health", timeout=10)  # the proxy recovers
+            assert r.status_code == 200
+        finally:
+            proc.stop(5)
