@@ -19,12 +19,18 @@ passes (parks, resumes and the parked gauge are live), :meth:`Metrics.observe` w
 :class:`~sidecar.stream.StreamStats` at the end.
 
 The exposition is served by :mod:`sidecar.server` on its own listener through
-``prometheus_client.exposition.choose_encoder``.
+``prometheus_client.exposition.choose_encoder``.  Rendering it costs about 1.5 ms of
+CPU on the event loop that relays every stream, so a client looping on ``/metrics``
+could slow the proxy down: :class:`RenderLimiter` renders at most
+``RENDER_RATE`` times a second (after a burst of ``RENDER_BURST``) and answers the
+requests in between with the last rendering, which is then at most
+``1 / RENDER_RATE`` seconds old.  A scraper every few seconds always gets a fresh one.
 """
 
 from __future__ import annotations
 
 import platform
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
@@ -34,7 +40,9 @@ from sidecar.keepalive import Reason
 from sidecar.notices import NoticeKind, ParkEnded, ParkStarted
 from sidecar.stream import NoticeSeen, Phase, StreamStats
 
-__all__ = ["DURATION_BUCKETS", "KNOWN_ROUTES", "Metrics", "route_label", "status_class"]
+__all__ = [
+    "DURATION_BUCKETS", "KNOWN_ROUTES", "Metrics", "RenderLimiter", "route_label", "status_class",
+]  # fmt: skip
 
 PREFIX = "llama_sidecar"
 
@@ -55,7 +63,41 @@ KNOWN_ROUTES = frozenset(
         "/apply-template", "/lora-adapters",
     }
 )  # fmt: skip
+# renderings of the exposition per second, and how many may come at once
+RENDER_RATE = 10.0
+RENDER_BURST = 10
 UPSTREAM_ERROR_KINDS = tuple(sorted({c.kind for c in UpstreamError.__subclasses__()}))
+
+
+class RenderLimiter:
+    """A token bucket over renderings, with the last rendering of each kind kept.
+
+    ``get(key, now, render)`` calls ``render()`` when a token is left (or when nothing
+    was rendered for ``key`` yet) and returns the kept bytes otherwise.  Tokens come
+    back at ``rate`` a second, up to ``burst``.  Pure: the caller passes the time.
+    """
+
+    def __init__(self, rate: float = RENDER_RATE, burst: int = RENDER_BURST) -> None:
+        if rate <= 0 or burst < 1:
+            raise ValueError("rate must be positive and burst at least 1")
+        self.rate = rate
+        self.burst = burst
+        self._tokens = float(burst)
+        self._at: float | None = None
+        self._kept: dict[object, bytes] = {}
+        self.renders = 0
+
+    def get(self, key: object, now: float, render: Callable[[], bytes]) -> bytes:
+        if self._at is not None:
+            self._tokens = min(self.burst, self._tokens + (now - self._at) * self.rate)
+        self._at = now
+        kept = self._kept.get(key)
+        if kept is not None and self._tokens < 1.0:
+            return kept
+        self._tokens = max(0.0, self._tokens - 1.0)
+        body = self._kept[key] = render()
+        self.renders += 1
+        return body
 
 
 def route_label(target: bytes | str) -> str:

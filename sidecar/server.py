@@ -64,7 +64,7 @@ from sidecar.config import Config, format_hostport
 from sidecar.downstream import AccessRecord, answer_error, client_side, reason
 from sidecar.errors import ClientDisconnected, ClientError
 from sidecar.headers import get_header
-from sidecar.metrics import Metrics, status_class
+from sidecar.metrics import Metrics, RenderLimiter, status_class
 from sidecar.readiness import Readiness, Verdict, poll_upstream
 from sidecar.relay import Context, Exchange
 from sidecar.transport import TransportStream, accepted
@@ -165,6 +165,7 @@ class Sidecar:
         self.readiness = Readiness(config.ready_poll, config.ready_min_free_kv)
         # scrapes run on the event loop, so the verdict is read with the loop's clock
         self.metrics.ready.set_function(lambda: float(self.ready_verdict().ready))
+        self.renders = RenderLimiter()
 
     @property
     def url(self) -> str:
@@ -502,7 +503,8 @@ class Sidecar:
         if path == b"/metrics":
             accept = get_header(request.headers.raw_items(), b"accept") or b""
             encoder, ctype_s = choose_encoder(accept.decode("latin-1"))
-            body, status, ctype = encoder(self.registry), 200, ctype_s.encode()
+            body = self.renders.get(ctype_s, anyio.current_time(), lambda: encoder(self.registry))
+            status, ctype = 200, ctype_s.encode()
         elif path == b"/healthz":
             body, status = b"ok\n", 200
         elif path == b"/ready":
