@@ -207,8 +207,8 @@ class Metrics:
         )
         self.priority_requests = Counter(
             f"{p}_priority_requests",
-            "Completion bodies given the operator's priority (set), or forwarded unchanged "
-            "because they are not a JSON object (unparsed)",
+            "Generating requests given the operator's priority (set), or refused because "
+            "they could not be given it (refused)",
             ["outcome"],
             registry=r,
         )
@@ -230,7 +230,7 @@ class Metrics:
             self.upstream_errors.labels(kind)
         for direction in ("request", "response"):
             self.bytes.labels(direction)
-        for outcome in ("set", "unparsed"):
+        for outcome in ("set", "refused"):
             self.priority_requests.labels(outcome)
 
     # ------------------------------------------------------- relayed responses

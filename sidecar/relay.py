@@ -207,9 +207,13 @@ class Exchange:
         finally:
             self.rec.bytes_in = self.plan.bytes_in
         cfg = self.config
-        body, outcome, priority = await apply_priority(
-            body, self.request, self.plan, self.ctx.priority, cfg.body_buffer
-        )
+        try:
+            body, outcome, priority = await apply_priority(
+                body, self.request, self.plan, self.ctx.priority, cfg.body_buffer
+            )
+        except ClientError:
+            self.metrics.priority_requests.labels("refused").inc()
+            raise
         if outcome is not None:
             self.metrics.priority_requests.labels(outcome).inc()
         if priority is not None:

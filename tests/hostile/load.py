@@ -217,6 +217,59 @@ async def idle_keepalive(url: str, path: bytes, done: Done) -> None:
             await c.wait_closed(timeout=3600)
 
 
+# Attacks on the priority rule (the sidecar under test runs with one: see measure_park).
+MiB = 1024 * 1024
+REWRITE_BODY = b'{"prompt":"x","n_predict":1,"a":[' + b"{}," * (10 * MiB) + b"{}]}"  # 30 MiB
+BYPASS_BODY = b'{"prompt":"x","n_predict":1,"priority":1000000}'
+BYPASSES: list[tuple[bytes, bytes]] = [
+    (b"/v1/chat/completion%73", BYPASS_BODY),
+    (b"/v1/chat%2Fcompletions", BYPASS_BODY),
+    (b"/v1/chat/completions#x", BYPASS_BODY),
+    (b"/completio%u006e", BYPASS_BODY),
+    (b"/v1/responses", b'{"input":"x","priority":1000000}'),
+    (b"/v1/messages", b'{"messages":[],"priority":1000000}'),
+    (b"/completion", BYPASS_BODY + b"\x00"),
+    (b"/completion", BYPASS_BODY[:-1] + b',"x":' + b"[" * 2000 + b"]" * 2000 + b"}"),
+]
+
+
+def _post(target: bytes, body: bytes) -> bytes:
+    return (b"POST " + target + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n" % len(body) + body)  # fmt: skip
+
+
+async def priority_bypass(url: str, done: Done) -> None:
+    """The ways around a priority rule, one after the other (a new connection after each
+    refusal: the sidecar closes after an error)."""
+    attempts = itertools.cycle(BYPASSES)
+    while True:
+        async with await RawConn.open(url) as c:
+            for target, body in attempts:
+                await c.send(_post(target, body))
+                resp = await c.read_response(timeout=60)
+                done[f"priority_bypass_{resp.status}"] += 1
+                if resp.header(b"connection") == b"close":
+                    break
+
+
+async def rewrite_30mib(url: str, done: Done) -> None:
+    """A 30 MiB completion body of ten million empty objects, over and over."""
+    while True:
+        async with await RawConn.open(url) as c:
+            await c.send(_post(b"/completion", REWRITE_BODY))
+            resp = await c.read_response(timeout=120)
+            assert resp.status == 200, resp.status
+        done["rewrite_30mib"] += 1
+
+
+async def stalled_reader(url: str, done: Done) -> None:
+    """Ask for the 16 MB line, then never read a byte of it."""
+    async with await RawConn.open(url) as c:
+        await c.send(b"GET /huge-line HTTP/1.1\r\nHost: x\r\n\r\n")
+        done["stalled_reader"] += 1
+        await anyio.sleep_forever()
+
+
 def huge_line_script(megabytes: int = 16, piece: int = 64 * 1024, every: float = 0.01) -> Script:
     """An event stream whose one ``data:`` line is ``megabytes`` MB long, then a newline.
 
@@ -319,6 +372,9 @@ async def run_hostile(url: str, metrics: str, kinds: Mapping[str, int], done: Do
         "huge_line": lambda: huge_line(url, done),
         "idle_proxy": lambda: idle_keepalive(url, b"/health", done),
         "idle_metrics": lambda: idle_keepalive(metrics, b"/metrics", done),
+        "priority_bypass": lambda: priority_bypass(url, done),
+        "rewrite_30mib": lambda: rewrite_30mib(url, done),
+        "stalled_reader": lambda: stalled_reader(url, done),
     }
     async with anyio.create_task_group() as tg:
         for kind, n in kinds.items():
@@ -347,12 +403,16 @@ class Measured:
                 f"hostile work {dict(self.done)}")  # fmt: skip
 
 
-def measure_park(kinds: Mapping[str, int], park: float, park_keepalive: float = 1.0) -> Measured:
-    """A sidecar in its own process; a stream parked for ``park`` s while ``kinds`` run."""
+def measure_park(kinds: Mapping[str, int], park: float, park_keepalive: float = 1.0,
+                 **options: Any) -> Measured:  # fmt: skip
+    """A sidecar in its own process; a stream parked for ``park`` s while ``kinds`` run.
+
+    ``options`` are the sidecar's (a priority rule, say)."""
     fake = FakeProcess(park)
     proc = hostile = None
     try:
-        proc = start_subprocess(ephemeral_config(fake.url, park_keepalive=park_keepalive))
+        proc = start_subprocess(ephemeral_config(fake.url, park_keepalive=park_keepalive,
+                                                 **options))  # fmt: skip
         assert proc.metrics_url is not None
         metrics = proc.metrics_url.removesuffix("/metrics")
         instruments = Instruments(proc.url, metrics, every=0.1)
@@ -370,14 +430,15 @@ def measure_park(kinds: Mapping[str, int], park: float, park_keepalive: float = 
     return Measured(stream, probe, done)
 
 
-def require_a_machine_that_keeps_time(bound: float, park_keepalive: float = 1.0) -> Measured:
+def require_a_machine_that_keeps_time(bound: float, park_keepalive: float = 1.0,
+                                      **options: Any) -> Measured:  # fmt: skip
     """The same rig with no hostile client: skip if even that misses ``bound``.
 
     On a machine whose CPUs are shared with other busy work (a build, another test
     run), the sidecar process may not be scheduled for a few hundred milliseconds
     whatever it does; then a timing bound measures the machine, not the sidecar.
     """
-    quiet = measure_park({}, park=3.0, park_keepalive=park_keepalive)
+    quiet = measure_park({}, park=3.0, park_keepalive=park_keepalive, **options)
     if quiet.gap > bound:
         pytest.skip(f"this machine misses the bound with no hostile client at all "
                     f"({quiet.summary()}; load average {os.getloadavg()[0]:.1f} on "
@@ -406,6 +467,8 @@ def _upstream_main(park: str) -> None:
     with fake_upstream_in_thread() as fake:
         fake.route(PARK_ROUTE, parked_script(float(park)))
         fake.route("/huge-line", huge_line_script(16))
+        fake.route("/completion", [("head", 200, [(b"Content-Type", b"application/json")]),
+                                   ("send", b'{"content":"ok"}'), ("end",)])  # fmt: skip
         print(fake.url, flush=True)
         sys.stdin.read()
 
