@@ -66,6 +66,7 @@ from typing import Any
 
 import anyio
 import anyio.abc
+import anyio.lowlevel
 import h11
 
 from sidecar.adapter import H11Stream
@@ -73,6 +74,7 @@ from sidecar.config import Config
 from sidecar.downstream import AccessRecord, answer_error, client_side, error_body
 from sidecar.errors import (
     IO_ERRORS,
+    BadRequest,
     ClientDisconnected,
     ClientError,
     SidecarError,
@@ -81,9 +83,11 @@ from sidecar.errors import (
     UpstreamTimeout,
 )
 from sidecar.headers import is_event_stream, response_headers, set_header
+from sidecar.jsontext import BadText, TextCheck
 from sidecar.metrics import Metrics, route_label
 from sidecar.priority import PriorityRules
 from sidecar.request import RequestPlan, apply_priority, check_request, read_body, upstream_headers
+from sidecar.routes import RouteKind, classify
 from sidecar.stream import StreamMonitor
 from sidecar.upstream import RequestBody, UpstreamPool, UpstreamResponse
 
@@ -92,6 +96,8 @@ __all__ = ["Context", "Exchange"]
 access_log = logging.getLogger("sidecar.access")
 
 MAX_ERROR_BODY = 64 * 1024
+# body bytes checked for text (sidecar.jsontext) between two yields of the event loop
+TEXT_CHECK_STEP = 1024 * 1024
 # Keepalives are written at 90% of the interval: slack for event-loop lag.
 KEEPALIVE_LEAD = 0.1
 
@@ -125,6 +131,33 @@ class Context:
         while self.active:
             self._idle = anyio.Event()
             await self._idle.wait()
+
+
+async def _check_text(body: RequestBody, request: h11.Request) -> None:
+    """A generating body the priority rule reads must be text llama-server parses (400).
+
+    llama-server answers a body that is not UTF-8 or holds a lone surrogate escape with
+    a 500; the sidecar, which reads the body anyway, says what is wrong instead.  The
+    body is closed when it is refused.
+    """
+    if classify(request.method, request.target) is not RouteKind.GENERATES:
+        return
+    check = TextCheck()
+    step = 0
+    try:
+        for piece in body.pieces():
+            check.feed(piece)
+            step += len(piece)
+            if step >= TEXT_CHECK_STEP:
+                step = 0
+                await anyio.lowlevel.checkpoint()
+        check.finish()
+    except BadText as exc:
+        body.close()
+        raise BadRequest(f"a priority rule is on: {exc}") from None
+    except BaseException:
+        body.close()
+        raise
 
 
 class Exchange:
@@ -207,6 +240,12 @@ class Exchange:
         finally:
             self.rec.bytes_in = self.plan.bytes_in
         cfg = self.config
+        if body is not None and self.ctx.priority.active:
+            try:
+                await _check_text(body, self.request)
+            except ClientError:
+                self.metrics.priority_requests.labels("refused").inc()
+                raise
         try:
             body, outcome, priority = await apply_priority(
                 body, self.request, self.plan, self.ctx.priority, cfg.body_buffer
