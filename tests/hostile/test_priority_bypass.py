@@ -29,7 +29,8 @@ from sidecar.server import Sidecar
 from tests.conftest import REPO, StartServer
 from tests.proxy.conftest import SidecarFactory
 from tests.proxy.rawclient import RawConn
-from tests.support.fake_upstream import FakeUpstream
+from tests.support.fake_upstream import FakeUpstream, fake_upstream_in_thread
+from tests.support.nginx import NGINX, start_nginx
 from tests.support.sidecar import ephemeral_config, run_in_thread
 
 OPERATOR = -100  # the priority every client gets (--priority-default)
@@ -134,6 +135,27 @@ async def test_routes_that_do_not_generate_are_relayed_untouched(
                 await c.send(request(target, b"", raw))
                 assert (await c.read_response()).status == 200
     assert [r.body for r in fake.requests if r.method == b"POST"] == [raw] * 3
+
+
+@pytest.mark.nginx
+@pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx)")
+def test_through_nginx_with_the_documented_config_too(tmp_path: Path) -> None:
+    """docs/nginx.conf in front: whatever nginx makes of each attack (it may refuse one
+    itself, or rewrite an absolute-form target into a path), what reaches upstream carries
+    the operator's priority as its last member, and nothing else does."""
+    with fake_upstream_in_thread() as fake, run_in_thread(ephemeral_config(fake.url, **RULE)) as sc:
+        nginx = start_nginx(tmp_path, urlsplit(sc.url).port or 0)
+        try:
+            got = {name: send(nginx.url, request(target, head, data))[0]
+                   for name, target, head, data in
+                   [*REFUSED, *((n, t, b"", d) for n, t, d in SPLICED)]}  # fmt: skip
+        finally:
+            nginx.stop()
+        bodies = [r.body for r in fake.requests if r.method == b"POST"]
+    assert all(b.endswith(b',"priority":%d}' % OPERATOR) for b in bodies), bodies
+    assert len(bodies) == sum(status == 200 for status in got.values()), got
+    assert all(got[name] == 200 for name, _, _ in SPLICED), got
+    assert sum(status >= 400 for status in got.values()) >= len(REFUSED) - 1, got
 
 
 # ------------------------------------------------------ llama-server's own route table
