@@ -268,3 +268,40 @@ def test_no_attack_runs_above_the_operators_priority_on_the_real_server(
         assert ran[name][0] in (400, 403, 415), (name, ran[name])
         assert not any(ran[name][1].values()), (name, ran[name])
     assert srv.alive()
+
+
+# A body per generating route, asking for another priority; a route added to
+# GENERATING_ROUTES fails the test below until it has one here or a reason it cannot.
+RESPONSES = {"input": "hello", "max_output_tokens": 16, "temperature": 0}
+ROUTE_BODIES = {
+    "/completion": PROMPT, "/completions": PROMPT, "/v1/completions": PROMPT,
+    "/chat/completions": CHAT, "/v1/chat/completions": CHAT,
+    "/responses": RESPONSES, "/v1/responses": RESPONSES,
+}  # fmt: skip
+NOT_SENT = {
+    "/infill": "the test model has no fill-in-the-middle tokens (llama-server refuses it)",
+    "/audio/transcriptions": "multipart forms only: refused while a rule is on",
+    "/v1/audio/transcriptions": "multipart forms only: refused while a rule is on",
+    "/v1/messages": "refused while a rule is on (PRIORITY_DROPPED)",
+}
+
+
+@pytest.mark.server
+@pytest.mark.slow
+def test_every_generating_route_runs_at_the_operators_priority_on_the_real_server(
+    start_server: StartServer,
+) -> None:
+    """The spliced field reaches the task on each route: llama-server's conversions keep it
+    (a conversion that rebuilt the body would park the request as 'normal' here)."""
+    assert {r.encode() for r in [*ROUTE_BODIES, *NOT_SENT]} == GENERATING_ROUTES
+    srv = start_server(args=SERVER_ARGS, env=FORCED_PARKS)
+    ran = {}
+    with run_in_thread(ephemeral_config(srv.url, **RULE)) as sidecar:
+        for route, fields in ROUTE_BODIES.items():
+            before = parks_by_class(srv.url)
+            status, _ = send(sidecar.url, request(route.encode(), b"", body(fields)))
+            after = parks_by_class(srv.url)
+            ran[route] = (status, {c: after[c] - before[c] for c in after})
+    wrong = {r: got for r, got in ran.items()
+             if got[0] != 200 or got[1]["low"] == 0 or got[1]["normal"] or got[1]["high"]}
+    assert not wrong, f"not run at the operator's priority: {wrong}"  # fmt: skip
