@@ -1,0 +1,415 @@
+"""KV preemption must always make progress and keep every promise it makes.
+
+Each test reproduces one way the series broke that, against the real binary: a request that
+hung while the server spun (the last resort parking and restoring without end, or picking a
+victim it could not park), a high-priority request parked for a low-priority family, a slot
+recomputed after a context shift (its answer changed), requests behind the parked line that came
+back out of order or waited in silence, a flag that changed what "off" means, a restored slot
+cache dropped after a 200, and a /metrics scrape that changed while the server slept.
+
+A hang must end as a test failure, never as a hung suite: `bounded()` runs the request on a
+thread and fails as soon as the server's log shows the loop (a marker line repeated far beyond
+what progress needs) or a generous limit passes. Sizes are chosen so that the state each test
+needs comes from the token counts, not from the model's speed; where a second request must meet
+the first at a given size, it is sent when /slots reports that size (the "slow" generated model,
+as in test_preempt_defects.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+import pytest
+
+from sidecar.paths import cache_dir
+from tests.conftest import StartServer
+from tests.server.preempt_helpers import (
+    BASE,
+    CONTEXT_ERROR,
+    LAST_RESORT_LINE,
+    PARK,
+    PARK_LINE,
+    ROTATE_NOW,
+    complete_many,
+    completion_body,
+    count_lines,
+    metrics,
+    slots,
+    token_prompt,
+    wait_for,
+    wait_settled,
+)
+from tests.server.test_preempt_defects import assert_complete, body, generating, streamed
+from tests.support.llama import LlamaServer
+from tests.support.sse_client import StreamLog, stream_sse
+from tests.support.tinymm import MmprojSpec, image_prompt, png, write_mmproj
+from tests.support.tinymodel import SPECS, cached, ensure_model
+
+pytestmark = [pytest.mark.server]
+
+PLANNER_OFF = {"LLAMA_SERVER_PREEMPT_PLANNER": "off"}
+FAIL_SAVE = {"LLAMA_SERVER_PREEMPT_FAIL_SAVE": "1"}
+FAIL_POOL = {"LLAMA_SERVER_PREEMPT_FAIL_POOL": "1"}
+NOTHING_PARKED_LINE = "last resort found nothing to park"
+
+T = TypeVar("T")
+
+
+def bounded(srv: LlamaServer, fn: Callable[[], T], *, limit: float = 180.0,
+            loop_marker: str = LAST_RESORT_LINE, loop_max: int = 200) -> T:
+    """fn() on a thread; fail when the server's log holds `loop_marker` more than `loop_max`
+    times (the server spins: on the series before the fixes, thousands of such lines a second)
+    or when `limit` seconds pass without an answer."""
+    out: dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            out["res"] = fn()
+        except BaseException as e:  # surfaced below
+            out["err"] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    while t.is_alive():
+        t.join(0.5)
+        n = count_lines(srv.log_text(), loop_marker)
+        if n > loop_max:
+            pytest.fail(f"the server spins: {n} lines with {loop_marker!r} after "
+                        f"{time.monotonic() - t0:.1f} s and no answer yet")
+        if time.monotonic() - t0 > limit:
+            pytest.fail(f"no answer after {limit:.0f} s; log tail:\n{srv.log_tail(20)}")
+    if "err" in out:
+        raise out["err"]
+    return out["res"]  # type: ignore[no-any-return]
+
+
+def slot_lines(log: str, marker: str) -> list[tuple[int, int]]:
+    """(slot id, task id) of every log line with `marker` (SLT_* lines: "id  N | task T | ")."""
+    res: list[tuple[int, int]] = []
+    for line in log.splitlines():
+        if marker not in line or " | task " not in line:
+            continue
+        head = line.split(" | ")
+        slot_id = int(head[0].rsplit("id", 1)[1])
+        task_id = int(head[1].split()[1])
+        res.append((slot_id, task_id))
+    return res
+
+
+# the last resort after a split batch with an n_cmpl family ------------------------------------
+
+
+def test_a_split_batch_gives_the_children_the_whole_prompt(start_server: StartServer,
+                                                           slow_model: Path) -> None:
+    """Planner off, 64-token batches, a 256-cell pool. A generates; an n_cmpl 2 family with a
+    126-token prompt arrives when A holds 130-160 cells, so the batch with its last 63 prompt
+    tokens does not fit: the retry ladder halves it, the first half (A's token and 31 prompt
+    tokens) is decoded, the rest is not, and the last resort parks A (the leader; the family is
+    still in its prompt) and rewinds the parent to its cache. The children must not have been
+    given the parent's cells after that first half: they then held part of the prompt, were
+    rewound to prompt processing with it, re-filled the rest on their own while the pool was
+    counted as if they shared it (the count fell short by their tails), and a slot restored on
+    that count failed the next decode, was parked and restored again without end. Now only the
+    parent is rewound, the children get the whole prompt when its last token is decoded, and
+    every request completes with a bounded number of parks."""
+    srv = start_server(model=slow_model,
+                       args=[*BASE, *PARK, "-c", "256", "-np", "3", "-b", "64", "-ub", "64"],
+                       env=PLANNER_OFF)
+    ta: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: ta.update(res=streamed(srv.url, body(token_prompt(8, 71), 200))),
+        daemon=True)
+    thread.start()
+    # A's 8 prompt tokens plus 122 generated: the family's second batch then meets 33-62 free
+    # cells (a condition on A's size, not a delay)
+    wait_for(lambda: generating(srv.url, 122), what="A holding 130 cells", timeout=240)
+    fam = bounded(srv, lambda: streamed(srv.url, body(token_prompt(126, 72), 24, n_cmpl=2)))
+    thread.join(300)
+    assert_complete(fam, 2, [126], 24, multi_prompt=False, family=True)
+    assert_complete(ta["res"], 1, [8], 200, multi_prompt=False)
+    log = srv.log_text()
+    assert count_lines(log, LAST_RESORT_LINE) >= 1, "the family's batch fitted: no split batch"
+    # "N tokens rewound to the cache boundary (K tokens), back to prompt processing"
+    rewound = {task for _, task in slot_lines(log, "back to prompt processing")}
+    assert len(rewound) == 1, f"tasks sent back to prompt processing: {sorted(rewound)}"
+    m = wait_settled(srv.url)
+    assert m["n_resume_total"] == m["n_preempt_total"] <= 4, m
+
+
+# the last resort when no park succeeds -------------------------------------------------------
+
+
+def llava_pair() -> tuple[Path, Path]:
+    models = cache_dir() / "models"
+    spec = MmprojSpec(n_embd_text=SPECS["tiny"].n_embd)
+    return (ensure_model(models, "tiny"),
+            cached(models / spec.file_name, lambda p: write_mmproj(p, spec)))
+
+
+def picture(url: str, seed: int) -> dict[str, Any]:
+    marker = httpx.get(f"{url}/props", timeout=10).json()["media_marker"]
+    return image_prompt(["a picture: ", png(128, 48, seed), " what is it?"], marker)
+
+
+@pytest.mark.parametrize("planner", ["on", "off"])
+def test_a_park_that_fails_ends_in_the_context_error(start_server: StartServer,
+                                                     planner: str) -> None:
+    """Two image prompts that overflow a 256-cell pool together, and every host pool block fails
+    to allocate (LLAMA_SERVER_PREEMPT_FAIL_POOL): an image slot can be parked only by swap, so
+    no park succeeds. The last resort reported success anyway and the rebuilt batch failed the
+    same way, forever (stock llama-server answers "Context size has been exceeded." at once).
+    Now the failed victim is not parked again before something is freed, the last resort finds
+    nothing, and the requests end: each completes or gets the context error."""
+    text, mmproj = llava_pair()
+    env = {**FAIL_POOL, **({} if planner == "on" else PLANNER_OFF)}
+    srv = start_server(model=text, args=[*BASE, *PARK, "--mmproj", str(mmproj), "-c", "256",
+                                         "-np", "2"], env=env)
+    prompts: list[Any] = [picture(srv.url, 10), picture(srv.url, 11)]
+    together = bounded(srv, lambda: complete_many(srv.url, prompts, 160, stream=False,
+                                                  timeout=600),
+                       loop_marker=NOTHING_PARKED_LINE, loop_max=20)
+    for got in together:
+        assert got.ok or got.error_message == CONTEXT_ERROR, got.error
+    assert any(not got.ok for got in together), "both fit: the test needs an overflow"
+    assert count_lines(srv.log_text(), NOTHING_PARKED_LINE) <= 2
+    m = wait_settled(srv.url)
+    assert m["requests_preempted"] == 0
+
+
+# priority inversion with families ------------------------------------------------------------
+
+
+def test_a_low_priority_family_is_parked_before_a_high_priority_request(
+    start_server: StartServer, slow_model: Path,
+) -> None:
+    """A (priority 5) generates alone; an n_cmpl 2 family of priority 0 arrives when A holds 308
+    cells. Each fits the 512-cell pool alone, together they do not. The lowest rank is parked
+    first, families included: the family is parked whole and A never is (it used to be, the
+    leader being parked first whenever every other slot is in a family)."""
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "512", "-np", "3"])
+    ta: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: ta.update(res=streamed(srv.url, body(token_prompt(8, 1), 480, priority=5))),
+        daemon=True)
+    thread.start()
+    wait_for(lambda: generating(srv.url, 300), what="A holding 308 cells", timeout=240)
+    fam = bounded(srv, lambda: streamed(srv.url, body(token_prompt(8, 2), 100, n_cmpl=2,
+                                                       priority=0)))
+    thread.join(300)
+    fam_finals = assert_complete(fam, 2, [8], 100, multi_prompt=False, family=True)
+    a = ta["res"]
+    a_finals = assert_complete(a, 1, [8], 480, multi_prompt=False)
+    assert b": preempted" not in a.body, "the priority-5 request was parked"
+    assert a_finals[0]["preempt"]["parks"] == 0, a_finals[0]["preempt"]
+    assert all(f["preempt"]["parks"] >= 1 for f in fam_finals.values()), fam_finals
+    m = wait_settled(srv.url)
+    assert m["n_resume_total"] == m["n_preempt_total"]
+    assert m["n_preempt_priority_high_total"] == 0, m
+
+
+# no recompute after a context shift ----------------------------------------------------------
+
+
+def test_a_shifted_slot_is_never_recomputed(start_server: StartServer) -> None:
+    """Context shift on, every host copy failing (parks go by recompute), the parked head waits 0
+    s before a shifting resident is rotated out. A slot that has shifted holds cells that carry
+    what its discarded tokens contributed; a recompute replays only the kept tokens and the
+    answer changes. Rotation parked exactly those slots, by recompute when they could not be
+    swapped. Now a shifted slot is parked by swap or not at all: no slot is recomputed after its
+    first shift, and the requests still complete."""
+    srv = start_server(args=[*BASE, *PARK, "-c", "256", "-np", "2", "--context-shift"],
+                       env={**FAIL_SAVE, **ROTATE_NOW})
+    n = 900
+    together = bounded(srv, lambda: complete_many(srv.url, [token_prompt(8, 81),
+                                                            token_prompt(8, 82)], n),
+                       loop_marker=PARK_LINE, loop_max=400)
+    for c in together:
+        assert c.ok, c.error
+        assert c.n_predicted == n
+    log = srv.log_text()
+    shifted: set[int] = set()
+    for line in log.splitlines():
+        if " | task " not in line:
+            continue
+        task = int(line.split(" | ")[1].split()[1])
+        if "slot context shift" in line:
+            shifted.add(task)
+        elif PARK_LINE in line and "recompute on resume" in line:
+            assert task not in shifted, f"task {task} was recomputed after a context shift: {line}"
+    assert shifted, "no context shift happened"
+    assert count_lines(log, PARK_LINE) >= 1, "nothing was parked"
+    wait_settled(srv.url)
+
+
+# /metrics while the server sleeps -------------------------------------------------------------
+
+
+@pytest.mark.parametrize("preempt", [False, True], ids=["preempt-off", "preempt-on"])
+def test_metrics_read_the_same_asleep_as_awake(start_server: StartServer, preempt: bool) -> None:
+    """llama.cpp's own test_sleep.py::test_server_sleep_read_only_endpoints: while the server
+    sleeps, /metrics is served from a snapshot and must read exactly as it did awake (after a
+    scrape that reset the throughput buckets). kv_cells_total read the pool awake and 0
+    asleep."""
+    srv = start_server(args=[*BASE, "-c", "256", "-np", "2", "--sleep-idle-seconds", "1",
+                             *(PARK if preempt else [])])
+    r = httpx.post(f"{srv.url}/completion", json=completion_body(token_prompt(8, 5), 4,
+                                                                 stream=False), timeout=60)
+    assert r.status_code == 200, r.text[:400]
+    httpx.get(f"{srv.url}/metrics", timeout=10).raise_for_status()
+    awake = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    assert "llamacpp:kv_cells_total 256" in awake
+    wait_for(lambda: httpx.get(f"{srv.url}/props", timeout=10).json()["is_sleeping"],
+             what="the server asleep", timeout=60, interval=0.1)
+    asleep = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    differ = sorted(set(asleep.splitlines()) ^ set(awake.splitlines()))
+    assert asleep == awake, differ
+    assert httpx.get(f"{srv.url}/props", timeout=10).json()["is_sleeping"]
+
+
+# priority with preemption off ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [1.5, "high", 2e6, 3])
+def test_priority_is_not_read_with_preemption_off(start_server: StartServer,
+                                                  value: object) -> None:
+    """--preempt-ram 0 is upstream: stock llama-server does not know "priority" and answers 200
+    whatever it holds; so must the patched one (it answered 400 for 1.5, "high" and 2e6)."""
+    srv = start_server(args=[*BASE, "-c", "256", "-np", "2", "--preempt-ram", "0"])
+    r = httpx.post(f"{srv.url}/completion", timeout=60,
+                   json=completion_body(token_prompt(8, 6), 4, stream=False, priority=value))
+    assert r.status_code == 200, r.text[:400]
+    assert "preempt" not in r.json()
+
+
+# requests behind the parked line: first come, first served; not silent; restore refused -------
+
+
+def park_a_pair(srv: LlamaServer, n_predict: int = 200) -> tuple[threading.Thread, dict[str, Any]]:
+    """Two prompts that overflow a 256-cell pool together (8 + n_predict cells each): one is
+    parked while the other grows, and comes back when the other ends. Returns once a slot is
+    parked."""
+    pair = completion_body([token_prompt(8, 50), token_prompt(8, 51)], n_predict, stream=True)
+    out: dict[str, Any] = {}
+    t = threading.Thread(target=lambda: out.update(res=stream_sse(f"{srv.url}/completion", pair)),
+                         daemon=True)
+    t.start()
+    wait_for(lambda: any(s.get("is_preempted") for s in slots(srv.url)), what="a parked slot",
+             timeout=240)  # a condition, not a time limit
+    return t, out
+
+
+def launched_tasks(log: str) -> list[int]:
+    """Task ids in the order their slots started them."""
+    return [task for _, task in slot_lines(log, "processing task, is_child")]
+
+
+def test_requests_behind_the_parked_line_come_back_in_arrival_order(
+    start_server: StartServer, slow_model: Path,
+) -> None:
+    """C, D and E arrive one after the other while a slot is parked (a slot is free for each):
+    they wait behind the parked line and must start in arrival order once it is empty (they
+    started C, E, D: the pop put each task in front of the one popped before it)."""
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "5"])
+    t_pair, _ = park_a_pair(srv)
+    before = launched_tasks(srv.log_text())
+    late: list[threading.Thread] = []
+    for seed in (60, 61, 62):
+        t = threading.Thread(target=lambda s=seed: stream_sse(
+            f"{srv.url}/completion", completion_body(token_prompt(8, s), 8, stream=True)),
+            daemon=True)
+        t.start()
+        late.append(t)
+        # the next one is sent once this one waits in the queue (requests_deferred), so the
+        # arrival order is the order sent
+        n_late = len(late)
+
+        def deferred(n: int = n_late) -> bool:
+            return metrics(srv.url)["requests_deferred"] >= n
+
+        wait_for(deferred, what=f"{n_late} deferred requests", timeout=60)
+    t_pair.join(300)
+    for t in late:
+        t.join(120)
+    started = [task for task in launched_tasks(srv.log_text()) if task not in before]
+    assert len(started) >= 3, started
+    newcomers = started[-3:]
+    assert newcomers == sorted(newcomers), f"launched in order {newcomers}"
+    wait_settled(srv.url)
+
+
+def test_a_request_waiting_behind_the_parked_line_hears_queued_and_keepalives(
+    start_server: StartServer, slow_model: Path,
+) -> None:
+    """A streaming request that arrives while a slot is parked waits (a slot is free) until the
+    parked head is restored. From its client's side it is parked: its stream opens at once with
+    ": queued" and carries a keepalive at least every --preempt-keepalive seconds (1 here, plus
+    1 s of reader slack) until its first data (it used to get no byte at all: no headers, no
+    keepalive)."""
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "3",
+                                               "--preempt-keepalive", "1"])
+    t_pair, out = park_a_pair(srv)
+    newcomer = stream_sse(f"{srv.url}/completion",
+                          completion_body(token_prompt(8, 52), 8, stream=True))
+    t_pair.join(300)
+    parked: StreamLog = out["res"]
+    assert parked.status == newcomer.status == 200
+    assert len(newcomer.tokens()) == 8
+    lines = newcomer.lines
+    assert lines, "nothing streamed"
+    assert lines[0][1] == ": queued", lines[:3]
+    t_first_data = next(t for t, line in lines if line.startswith("data: "))
+    t_resumed = next(t for t, line in parked.lines if line.startswith(": resumed"))
+    # both clocks start at their own request: compare on one
+    assert newcomer.t_start + lines[0][0] < parked.t_start + t_resumed, (
+        "': queued' came after the parked head resumed")
+    waiting = [t for t, line in lines if t <= t_first_data]
+    gaps = [b - a for a, b in itertools.pairwise(waiting)]
+    assert all(line in (": queued", ": preempt-keepalive")
+               for t, line in lines if t < t_first_data), lines[:10]
+    if t_first_data > 1.0:
+        assert count_lines("\n".join(line for _, line in lines), ": preempt-keepalive") >= 1
+    assert max(gaps, default=0.0) <= 1 + 1, gaps
+    # data is byte for byte what it is without the wait: the notice and keepalives are comments
+    assert newcomer.final()["tokens_predicted"] == 8
+    wait_settled(srv.url)
+
+
+def test_a_slot_restore_is_refused_while_a_request_is_parked(start_server: StartServer,
+                                                             slow_model: Path,
+                                                             tmp_path: Path) -> None:
+    """/slots/N?action=restore into an idle slot while another request is parked answered 200,
+    and the planner then dropped the restored cache (an idle slot's cache is the first room it
+    frees for the parked head). It is refused with a 400 that says why; once nothing is parked
+    the same restore is accepted."""
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "3",
+                                               "--slot-save-path", str(tmp_path)])
+    r = httpx.post(f"{srv.url}/completion", timeout=120,
+                   json=completion_body(token_prompt(8, 7), 4, stream=False, cache_prompt=True,
+                                        id_slot=2))
+    assert r.status_code == 200, r.text[:400]
+    saved = httpx.post(f"{srv.url}/slots/2?action=save", json={"filename": "s2.bin"}, timeout=60)
+    assert saved.status_code == 200, saved.text[:400]
+    httpx.post(f"{srv.url}/slots/2?action=erase", timeout=60).raise_for_status()
+
+    t_pair, _ = park_a_pair(srv)
+    idle = [s["id"] for s in slots(srv.url) if not s["is_processing"]]
+    assert idle, "no idle slot"
+    refused = httpx.post(f"{srv.url}/slots/{idle[0]}?action=restore",
+                         json={"filename": "s2.bin"}, timeout=60)
+    parked_then = any(s.get("is_preempted") for s in slots(srv.url))
+    t_pair.join(300)
+    assert parked_then, "the park ended before the restore was asked: no test"
+    assert 400 <= refused.status_code < 500, refused.text[:400]
+    assert "parked" in refused.json()["error"]["message"]
+    wait_settled(srv.url)
+    accepted = httpx.post(f"{srv.url}/slots/{idle[0]}?action=restore",
+                          json={"filename": "s2.bin"}, timeout=60)
+    assert accepted.status_code == 200, accepted.text[:400]
+    assert accepted.json()["n_restored"] > 0
