@@ -22,8 +22,9 @@ body, valid or not: call what comes before the last ``}`` P.  If P leaves the pa
 inside a string, a key, after a colon or a comma, inside a literal or a number's exponent,
 or inside a nested object or array, then P + ``,"priority":N}`` does not parse (the
 member lands where no member may be, or the top-level object is never closed), and
-llama-server answers 400 without generating.  Only when P ends after a complete member of
-the top-level object does the result parse, and then it carries the operator's value.
+llama-server refuses it without generating (a 500 with its parser's message).  Only when P
+ends after a complete member of the top-level object does the result parse, and then it
+carries the operator's value.
 
 What the parser accepts beyond JSON is handled before the splice: it stops reading at a
 NUL byte (so ``{...}\\0{"priority":...}`` would hide the spliced member behind the NUL: a
