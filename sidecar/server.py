@@ -294,6 +294,8 @@ class Sidecar:
                 got = None
                 if use_reserve and exc.errno in _OUT_OF_DESCRIPTORS and reserve.give_up():
                     got = _accept_now(sock)  # no await: nobody else takes the descriptor
+                    if got is None:
+                        reserve.take()
                 if got is None:
                     pause, count = failures.failed(loop.time())
                     if count:

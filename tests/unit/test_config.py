@@ -147,6 +147,7 @@ SAMPLES: dict[str, object] = {
     "keepalive_timeout": 11.0,
     "connect_timeout": 1.5,
     "upstream_head_timeout": 30.0,
+    "send_timeout": 4.5,
     "upstream_max_idle": 3,
     "ready_poll": 0.5,
     "ready_min_free_kv": 0.25,
