@@ -12,7 +12,7 @@ neither on how busy the test's event loop is nor on who holds its GIL:
 * :class:`HealthProbe`: ``GET /healthz`` on the metrics listener every ``every`` seconds
   (a new connection each time), recording each answer's latency.
 
-The hostile clients are coroutines on raw sockets (:class:`~tests.proxy.rawclient.RawConn`)
+The hostile clients are coroutines on raw sockets (:class:`~tests.support.rawclient.RawConn`)
 that run until cancelled.
 """
 
@@ -36,9 +36,9 @@ import anyio
 import httpx
 import pytest
 
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import Script, chunk, sse_head
 from tests.support.procs import ManagedProcess
+from tests.support.rawclient import RawConn
 from tests.support.sidecar import ephemeral_config, start_subprocess
 from tests.support.sse_client import stream_sse
 

@@ -16,9 +16,9 @@ import anyio
 import pytest
 
 from sidecar.upstream import RequestBody
-from tests.proxy.conftest import SidecarFactory
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream
+from tests.support.fixtures import SidecarFactory
+from tests.support.rawclient import RawConn
 
 pytestmark = pytest.mark.anyio
 

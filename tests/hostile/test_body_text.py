@@ -21,9 +21,9 @@ import pytest
 
 from sidecar.jsontext import BadText, TextCheck
 from tests.hostile.test_body_spool import open_temp_files
-from tests.proxy.conftest import SidecarFactory
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream
+from tests.support.fixtures import SidecarFactory
+from tests.support.rawclient import RawConn
 
 BAD = {
     "lone_high_escape": b'{"prompt":"a\\ud800b","n_predict":1}',

@@ -19,9 +19,9 @@ import httpx
 import pytest
 
 from sidecar.readiness import PARKED
-from tests.proxy.conftest import SidecarFactory
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream, fake_upstream_in_thread, sse_head
+from tests.support.fixtures import SidecarFactory
+from tests.support.rawclient import RawConn
 from tests.support.sidecar import ephemeral_config, start_subprocess
 
 METRICS = [("head", 200, [(b"Content-Type", b"text/plain")]),

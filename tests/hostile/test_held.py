@@ -17,9 +17,9 @@ import pytest
 
 from sidecar.server import Sidecar
 from tests.hostile.test_listeners import drip_until_answered
-from tests.proxy.conftest import SidecarFactory
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream, Script, chunk, sse_head
+from tests.support.fixtures import SidecarFactory
+from tests.support.rawclient import RawConn
 
 pytestmark = pytest.mark.anyio
 

@@ -16,9 +16,9 @@ import pytest
 
 from sidecar.adapter import H11Stream
 from sidecar.server import Sidecar
-from tests.proxy.conftest import SidecarFactory
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream, chunk, sse_head
+from tests.support.fixtures import SidecarFactory
+from tests.support.rawclient import RawConn
 
 pytestmark = pytest.mark.anyio
 

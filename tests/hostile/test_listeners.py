@@ -24,10 +24,10 @@ from anyio.abc import SocketAttribute
 from sidecar.adapter import H11Stream
 from sidecar.config import config_argv
 from sidecar.server import Sidecar
-from tests.proxy.conftest import SidecarFactory
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream, chunk, fake_upstream_in_thread, sse_head
+from tests.support.fixtures import SidecarFactory
 from tests.support.procs import ManagedProcess
+from tests.support.rawclient import RawConn
 from tests.support.sidecar import READY_RE, ephemeral_config, start_subprocess
 
 GET_HEALTHZ = b"GET /healthz HTTP/1.1\r\nHost: m\r\n\r\n"

@@ -19,8 +19,8 @@ import pytest
 
 from sidecar.metrics import RENDER_BURST, RENDER_RATE, RenderLimiter
 from sidecar.server import Sidecar
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream
+from tests.support.rawclient import RawConn
 
 
 def test_the_limiter_renders_a_burst_then_at_its_rate() -> None:

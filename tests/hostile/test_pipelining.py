@@ -13,8 +13,8 @@ import pytest
 
 from sidecar.adapter import MAX_PIPELINED
 from sidecar.server import Sidecar
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream, chunk, sse_head
+from tests.support.rawclient import RawConn
 
 pytestmark = pytest.mark.anyio
 

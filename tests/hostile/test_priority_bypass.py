@@ -27,10 +27,10 @@ from sidecar.paths import cache_dir
 from sidecar.routes import GENERATING_ROUTES, OTHER_POST_ROUTES
 from sidecar.server import Sidecar
 from tests.conftest import REPO, StartServer
-from tests.proxy.conftest import SidecarFactory
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream, fake_upstream_in_thread
+from tests.support.fixtures import SidecarFactory
 from tests.support.nginx import NGINX, start_nginx
+from tests.support.rawclient import RawConn
 from tests.support.sidecar import ephemeral_config, run_in_thread
 
 OPERATOR = -100  # the priority every client gets (--priority-default)

@@ -19,9 +19,9 @@ import pytest
 
 from sidecar.server import Sidecar
 from tests.hostile.load import measure_park, require_a_machine_that_keeps_time
-from tests.proxy.conftest import SidecarFactory
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream
+from tests.support.fixtures import SidecarFactory
+from tests.support.rawclient import RawConn
 
 
 @pytest.mark.anyio

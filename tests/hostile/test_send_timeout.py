@@ -22,8 +22,8 @@ import pytest
 
 from sidecar.config import Config
 from sidecar.transport import TransportStream
-from tests.proxy.conftest import SidecarFactory
 from tests.support.fake_upstream import FakeUpstream, Script, sse_head
+from tests.support.fixtures import SidecarFactory
 
 pytestmark = pytest.mark.anyio
 

@@ -13,9 +13,9 @@ import pytest
 from sidecar.readiness import PARKED, Readiness, poll_upstream
 from sidecar.server import Sidecar
 from sidecar.sse import MAX_KEPT, Comment, SSEScanner
-from tests.proxy.conftest import SidecarFactory
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream, sse_head
+from tests.support.fixtures import SidecarFactory
+from tests.support.rawclient import RawConn
 
 SSE_CHUNKED_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                     b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip

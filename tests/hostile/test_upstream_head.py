@@ -16,9 +16,9 @@ import pytest
 
 from sidecar.server import Sidecar
 from sidecar.upstream import MAX_HEAD, MAX_HEADERS, MAX_INTERIM
-from tests.proxy.conftest import SidecarFactory
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream, Script
+from tests.support.fixtures import SidecarFactory
+from tests.support.rawclient import RawConn
 
 pytestmark = pytest.mark.anyio
 

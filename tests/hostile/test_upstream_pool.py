@@ -15,8 +15,8 @@ import anyio
 import pytest
 
 from sidecar.server import Sidecar
-from tests.proxy.rawclient import RawConn
 from tests.support.fake_upstream import FakeUpstream, Script, sse_head
+from tests.support.rawclient import RawConn
 
 pytestmark = pytest.mark.anyio
 

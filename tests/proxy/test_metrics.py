@@ -9,8 +9,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from sidecar.metrics import KNOWN_ROUTES
 from sidecar.server import Sidecar
-from tests.proxy.conftest import SidecarFactory
 from tests.support.fake_upstream import FakeUpstream, chunk, sse_head
+from tests.support.fixtures import SidecarFactory
 
 pytestmark = pytest.mark.anyio
 

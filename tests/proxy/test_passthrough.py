@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from sidecar.server import Sidecar
-from tests.proxy.conftest import SidecarFactory
-from tests.proxy.rawclient import RawConn, status_of
 from tests.support.fake_upstream import FakeUpstream, chunk, sse_head
+from tests.support.fixtures import SidecarFactory
+from tests.support.rawclient import RawConn, status_of
 
 pytestmark = pytest.mark.anyio
 

@@ -7,8 +7,8 @@ import json
 import httpx
 import pytest
 
-from tests.proxy.conftest import SidecarFactory
 from tests.support.fake_upstream import FakeUpstream
+from tests.support.fixtures import SidecarFactory
 
 pytestmark = pytest.mark.anyio
 

@@ -7,8 +7,8 @@ import httpx
 import pytest
 
 from sidecar.readiness import PARKED
-from tests.proxy.conftest import SidecarFactory
 from tests.support.fake_upstream import FakeUpstream, chunk, park_script, sse_head
+from tests.support.fixtures import SidecarFactory
 
 pytestmark = pytest.mark.anyio
 

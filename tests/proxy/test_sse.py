@@ -8,10 +8,10 @@ import httpx
 import pytest
 
 from sidecar.server import Sidecar
-from tests.proxy.conftest import SidecarFactory
-from tests.proxy.rawclient import RawConn
 from tests.support import sse_client
 from tests.support.fake_upstream import SSE_HEADERS, FakeUpstream, chunk, park_script, sse_head
+from tests.support.fixtures import SidecarFactory
+from tests.support.rawclient import RawConn
 from tests.support.sse_client import astream_sse
 
 pytestmark = pytest.mark.anyio
