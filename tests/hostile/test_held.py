@@ -20,6 +20,7 @@ from tests.hostile.test_listeners import drip_until_answered
 from tests.support.fake_upstream import FakeUpstream, Script, chunk, sse_head
 from tests.support.fixtures import SidecarFactory
 from tests.support.rawclient import RawConn
+from tests.support.samples import sample
 
 pytestmark = pytest.mark.anyio
 
@@ -47,10 +48,10 @@ SMUGGLING: dict[str, tuple[bytes, int | tuple[int, ...]]] = {
                     400),
     "signed_length": (b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: +36\r\n\r\n" + HIDDEN,
                       400),
-    # RFC 9112 section 5.2: an obs-fold is replaced by a space (h11), so the "field" is
-    # part of X-A's value, the request has no body and "0" is a bad next request
+    # RFC 9112 section 5.2: a server rejects an obs-fold with 400 (or replaces it by a
+    # space); the sidecar rejects it, so the folded "field" means nothing anywhere
     "folded_te": (b"POST /echo HTTP/1.1\r\nHost: x\r\nX-A: b\r\n Transfer-Encoding: chunked\r\n"
-                  b"\r\n0\r\n\r\n" + HIDDEN, (200, 400)),
+                  b"\r\n0\r\n\r\n" + HIDDEN, 400),
     "chunk_size_garbage": (b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
                            b"5x\r\nhello\r\n0\r\n\r\n" + HIDDEN, 400),
     "nul_in_header": (b"POST /echo HTTP/1.1\r\nHost: x\r\nX-A: a\x00b\r\nContent-Length: 0\r\n\r\n"
@@ -242,5 +243,5 @@ async def test_keepalive_never_inside_an_event_under_random_splits(
     relayed, keepalives = _strip_keepalives_at_boundaries(resp.body)
     assert relayed == stream  # every other byte is upstream's, in order, untouched
     assert keepalives >= 3
-    assert sc.metrics.keepalives.labels("park")._value.get() == keepalives
+    assert sample(sc, "keepalives_total", reason="park") == keepalives
     await anyio.lowlevel.checkpoint()

@@ -15,6 +15,7 @@ from sidecar.adapter import MAX_PIPELINED
 from sidecar.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream, chunk, sse_head
 from tests.support.rawclient import RawConn
+from tests.support.samples import sample
 
 pytestmark = pytest.mark.anyio
 
@@ -67,7 +68,7 @@ async def test_disconnect_seen_after_a_large_pipelined_tail(
     with anyio.fail_after(2):
         while sidecar.ctx.active:
             await anyio.sleep(0.01)
-    assert sidecar.metrics.client_disconnects.labels(phase)._value.get() == 1
+    assert sample(sidecar, "client_disconnects_total", phase=phase) == 1
 
 
 async def test_overflowing_pipeline_gets_its_response_then_a_close(

@@ -19,6 +19,7 @@ from sidecar.upstream import MAX_HEAD, MAX_HEADERS, MAX_INTERIM
 from tests.support.fake_upstream import FakeUpstream, Script
 from tests.support.fixtures import SidecarFactory
 from tests.support.rawclient import RawConn
+from tests.support.samples import sample
 
 pytestmark = pytest.mark.anyio
 
@@ -54,7 +55,7 @@ async def test_upstream_head_has_a_deadline(
         with anyio.fail_after(2):
             await fake.conns[-1].closed.wait()  # closed, not pooled
         kind = "timeout" if status == 504 else "protocol"
-        assert sc.metrics.upstream_errors.labels(kind)._value.get() == 1
+        assert sample(sc, "upstream_errors_total", kind=kind) == 1
 
 
 async def test_a_few_interim_responses_are_fine(
@@ -109,7 +110,7 @@ async def test_a_head_over_the_cap_is_a_502_whatever_the_read_sizes(
         resp = await c.read_response(timeout=5)
         assert resp.status == 502, resp.raw_head[:200]
         assert b"head over" in resp.body
-    assert sidecar.metrics.upstream_errors.labels("protocol")._value.get() == 1
+    assert sample(sidecar, "upstream_errors_total", kind="protocol") == 1
 
 
 @pytest.mark.parametrize(("fields", "status"), [(MAX_HEADERS, 200), (MAX_HEADERS + 1, 502),

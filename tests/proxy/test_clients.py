@@ -15,6 +15,7 @@ from sidecar.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream, Script, fake_upstream_in_thread, sse_head
 from tests.support.nginx import NGINX, Nginx
 from tests.support.procs import free_port
+from tests.support.samples import sample
 from tests.support.sidecar import ephemeral_config, run_in_thread
 
 
@@ -65,8 +66,8 @@ async def test_openai_sdk_streams_through_a_park(fake: FakeUpstream, sidecar: Si
         await client.close()
     assert got == words
     assert finish == "stop"
-    assert sidecar.metrics.parks._value.get() == 1
-    assert sidecar.metrics.keepalives.labels("park")._value.get() >= 2
+    assert sample(sidecar, "parks_total") == 1
+    assert sample(sidecar, "keepalives_total", reason="park") >= 2
 
 
 # ------------------------------------------------------------------------ nginx

@@ -8,6 +8,7 @@ import pytest
 from sidecar.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream, chunk, sse_head
 from tests.support.rawclient import RawConn
+from tests.support.samples import sample
 
 pytestmark = pytest.mark.anyio
 
@@ -50,16 +51,15 @@ async def test_disconnect_closes_upstream_fast(
     with anyio.fail_after(2):
         while sidecar.ctx.active:
             await anyio.sleep(0.01)
-    m = sidecar.metrics
-    assert m.client_disconnects.labels(phase)._value.get() == 1
-    assert sum(m.client_disconnects.labels(p)._value.get() for p in SCRIPTS) == 1
-    assert m.streams_active._value.get() == 0
-    assert m.streams_parked._value.get() == 0
-    assert m.resumes._value.get() == 0
-    assert m.recomputes._value.get() == 0
+    assert sample(sidecar, "client_disconnects_total", phase=phase) == 1
+    assert sum(sample(sidecar, "client_disconnects_total", phase=p) for p in SCRIPTS) == 1
+    assert sample(sidecar, "streams_active") == 0
+    assert sample(sidecar, "streams_parked") == 0
+    assert sample(sidecar, "resumes_total") == 0
+    assert sample(sidecar, "recomputes_total") == 0
     if phase == "parked":
-        assert m.parks._value.get() == 1
-        assert m.park_duration._sum.get() > 0.1  # ended with the stream
+        assert sample(sidecar, "parks_total") == 1
+        assert sample(sidecar, "park_duration_seconds_sum") > 0.1  # ended with the stream
 
 
 async def test_disconnect_during_upload(fake: FakeUpstream, sidecar: Sidecar) -> None:
@@ -72,6 +72,6 @@ async def test_disconnect_during_upload(fake: FakeUpstream, sidecar: Sidecar) ->
     with anyio.fail_after(2):
         while sidecar.ctx.active:
             await anyio.sleep(0.01)
-    assert sidecar.metrics.client_disconnects.labels("request")._value.get() == 1
+    assert sample(sidecar, "client_disconnects_total", phase="request") == 1
     # The body is read in full before upstream is contacted: it never was.
     assert fake.conns == []
