@@ -25,26 +25,19 @@ from pathlib import Path
 
 import httpx
 
+from sidecar.cli.build import server_binary
 from sidecar.paths import cache_dir
 from tests.support.procs import free_port
 from tests.support.tinymodel import ensure_model
 
-REPO = Path(__file__).resolve().parent.parent
-
 ARGS = ["-t", "1", "-tb", "1", "-c", "4096", "-np", "2", "--kv-unified", "--no-warmup"]
-
-
-def binary(stock: bool) -> str:
-    out = subprocess.run([str(REPO / "build_llama.sh"), *(["--stock"] if stock else [])],
-                         capture_output=True, text=True, check=True)
-    return out.stdout.strip().splitlines()[-1]
 
 
 def instructions(stock: bool, model: Path, streams: int, n_predict: int, tmp: Path) -> int:
     """Total instructions of one server process that serves one request and exits."""
     port = free_port()
     out = tmp / f"cg.{stock}.{streams}.{n_predict}"
-    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", binary(stock),
+    cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", str(server_binary(stock)),
            "-m", str(model), "--port", str(port), *ARGS,
            *([] if stock else ["--preempt-ram", "8192"])]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

@@ -16,10 +16,10 @@ prompts above them (FA_NOISE_GAP in tests/server/test_preempt_multimodal.py).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import tempfile
 from pathlib import Path
 
+from sidecar.cli.build import server_binary
 from sidecar.paths import cache_dir
 from tests.server.preempt_helpers import (
     BASE,
@@ -34,14 +34,7 @@ from tests.support.llama import LlamaServer
 from tests.support.tinymm import write_qwen2vl_mmproj, write_qwen2vl_text
 from tests.support.tinymodel import cached
 
-REPO = Path(__file__).resolve().parent.parent
 N_PREDICT = 40
-
-
-def built(stock: bool) -> Path:
-    out = subprocess.run([str(REPO / "build_llama.sh"), *(["--stock"] if stock else [])],
-                         capture_output=True, text=True, check=True)
-    return Path(out.stdout.strip().splitlines()[-1])
 
 
 def gaps(c: Completion) -> list[float]:
@@ -86,8 +79,8 @@ def main() -> int:
     ap.add_argument("--binary", type=Path, help="patched llama-server (default: build_llama.sh)")
     ap.add_argument("--stock", type=Path, help="stock llama-server (default: build_llama.sh)")
     a = ap.parse_args()
-    stock = a.stock or built(stock=True)
-    patched = a.binary or built(stock=False)
+    stock = a.stock or server_binary(stock=True)
+    patched = a.binary or server_binary(stock=False)
     for fa in ("on", "off"):
         print(f"stock   -c 512 -fa {fa:3}: {run(stock, False, fa)}")
         print(f"patched -c 256 -fa {fa:3}: {run(patched, True, fa)}")

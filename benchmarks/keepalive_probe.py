@@ -21,13 +21,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from sidecar.cli.build import build_binary, server_binary
 from sidecar.paths import cache_dir
 from sidecar.probe import ProbeOptions, run_probe, summarize
 from tests.support.llama import LlamaServer
@@ -38,13 +38,6 @@ REPO = Path(__file__).resolve().parent.parent
 ARGS = ["--kv-unified", "-np", "2", "-t", "1", "-tb", "1", "--no-warmup"]
 
 
-
-
-def build(*flags: str) -> Path:
-    out = subprocess.run(
-        [str(REPO / "build_llama.sh"), *flags], check=True, capture_output=True, text=True
-    ).stdout
-    return Path(out.strip().splitlines()[-1])
 
 
 NOTICES_PATCH = "tell-streaming-clients-about-parks"
@@ -71,8 +64,7 @@ def without_notices_binary() -> Path | None:
         script = root / "build_llama.sh"
         script.write_bytes((REPO / "build_llama.sh").read_bytes())
         script.chmod(0o755)
-        out = subprocess.run([str(script)], check=True, capture_output=True, text=True).stdout
-        return Path(out.strip().splitlines()[-1])
+        return build_binary(script=script, capture_stderr=True)
 
 
 def probe(
@@ -118,11 +110,11 @@ def main() -> int:
         "stagger": a.stagger,
         "extra": {"temperature": 0.0, "top_k": 1},
     }
-    servers = [("stock", Path(os.environ.get("LLAMA_SERVER_STOCK_BIN") or build("--stock")))]
+    servers = [("stock", server_binary(stock=True))]
     no_notices = without_notices_binary()
     if no_notices is not None:
         servers.append(("without notices", no_notices))
-    servers.append(("patched", Path(os.environ.get("LLAMA_SERVER_BIN") or build())))
+    servers.append(("patched", server_binary()))
 
     results: dict[str, Any] = {}
     for label, binary in servers:

@@ -32,7 +32,6 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -40,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from sidecar.cli.build import server_binary
 from sidecar.paths import cache_dir
 from tests.server.preempt_helpers import (
     BASE,
@@ -57,21 +57,6 @@ from tests.server.preempt_helpers import (
 from tests.support.llama import LlamaServer
 from tests.support.tinymodel import ensure_model
 
-REPO = Path(__file__).resolve().parent.parent
-
-
-def binary(stock: bool) -> Path:
-    override = os.environ.get("LLAMA_SERVER_STOCK_BIN" if stock else "LLAMA_SERVER_BIN")
-    if override:
-        return Path(override)
-    out = subprocess.run(
-        [str(REPO / "build_llama.sh"), *(["--stock"] if stock else [])],
-        check=True,
-        capture_output=True,
-        text=True,
-    ).stdout
-    return Path(out.strip().splitlines()[-1])
-
 
 class Servers:
     def __init__(self, workdir: Path) -> None:
@@ -81,7 +66,8 @@ class Servers:
     def start(
         self, stock: bool, model: Path, args: list[str], env: dict[str, str] | None = None
     ) -> LlamaServer:
-        return self.start_bin(binary(stock), model, args, env, "stock" if stock else "patched")
+        label = "stock" if stock else "patched"
+        return self.start_bin(server_binary(stock), model, args, env, label)
 
     def start_bin(
         self,
@@ -420,7 +406,7 @@ def bench_swap(servers: Servers, before: Path | None, copy_threads: int = 1) -> 
         ("wide-f16-112", wide, [], 112, 8),
         ("wide-f16-520", wide, [], 520, 8),
     ]
-    builds = [("after", binary(False))] + ([("before", before)] if before else [])
+    builds = [("after", server_binary(False))] + ([("before", before)] if before else [])
     out: dict[str, Any] = {"load_before": os.getloadavg(), "copy_threads": copy_threads}
     out["cases"] = {}
     for name, model, extra, prompt_len, every in cases:
@@ -515,7 +501,7 @@ def pressure_case(
 
 def bench_pressure(servers: Servers, before: Path | None, copy_threads: int = 1) -> dict[str, Any]:
     wide = wide_model()
-    builds = [("after", binary(False))] + ([("before", before)] if before else [])
+    builds = [("after", server_binary(False))] + ([("before", before)] if before else [])
     out: dict[str, Any] = {"load_before": os.getloadavg(), "builds": {}}
     for label, path in builds:
         r = pressure_case(servers, path, wide, copy_threads)

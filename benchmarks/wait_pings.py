@@ -11,10 +11,10 @@ meanwhile, and the tokens A produced meanwhile (each one a wakeup of B's wait).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import tempfile
 from pathlib import Path
 
+from sidecar.cli.build import server_binary
 from sidecar.paths import cache_dir
 from tests.server.test_fixed_deadline_wait import (
     ARGS,
@@ -24,15 +24,6 @@ from tests.server.test_fixed_deadline_wait import (
 )
 from tests.support.llama import LlamaServer
 from tests.support.tinymodel import ensure_model
-
-REPO = Path(__file__).resolve().parent.parent
-
-
-def binary(stock: bool) -> Path:
-    flags = ["--stock"] if stock else []
-    out = subprocess.run([str(REPO / "build_llama.sh"), *flags], capture_output=True, text=True,
-                         check=True)
-    return Path(out.stdout.strip().splitlines()[-1])
 
 
 def main() -> None:
@@ -45,7 +36,7 @@ def main() -> None:
     for _ in range(rounds):
         for name, stock in (("stock", True), ("patched", False)):
             with tempfile.TemporaryDirectory() as tmp:
-                srv = LlamaServer(binary(stock), model, ARGS, {}, log_path=Path(tmp) / "log")
+                srv = LlamaServer(server_binary(stock), model, ARGS, {}, log_path=Path(tmp) / "log")
                 srv.start()
                 try:
                     b, a_times = busy_prefill(srv)

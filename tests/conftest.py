@@ -7,13 +7,12 @@ how the fixed-deadline test is shown to fail on the stock server.
 
 from __future__ import annotations
 
-import os
-import subprocess
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import pytest
 
+from sidecar.cli.build import server_binary
 from sidecar.paths import cache_dir
 from tests.support.llama import LlamaServer
 from tests.support.tinymodel import ensure_model
@@ -21,25 +20,21 @@ from tests.support.tinymodel import ensure_model
 REPO = Path(__file__).resolve().parent.parent
 
 
-
-
-def _build(*flags: str) -> Path:
-    proc = subprocess.run([str(REPO / "build_llama.sh"), *flags], capture_output=True, text=True)
-    if proc.returncode != 0:
-        pytest.fail(f"build_llama.sh {' '.join(flags)} failed:\n{proc.stderr[-4000:]}")
-    return Path(proc.stdout.strip().splitlines()[-1])
+def _binary(stock: bool) -> Path:
+    try:
+        return server_binary(stock=stock)
+    except (FileNotFoundError, RuntimeError) as e:
+        pytest.fail(str(e))
 
 
 @pytest.fixture(scope="session")
 def llama_server_bin() -> Path:
-    override = os.environ.get("LLAMA_SERVER_BIN")
-    return Path(override) if override else _build()
+    return _binary(stock=False)
 
 
 @pytest.fixture(scope="session")
 def stock_server_bin() -> Path:
-    override = os.environ.get("LLAMA_SERVER_STOCK_BIN")
-    return Path(override) if override else _build("--stock")
+    return _binary(stock=True)
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from sidecar.paths import BUILD_SCRIPT, REPO, cache_dir
+from sidecar.cli.build import server_binary
+from sidecar.paths import REPO, cache_dir
 from tests.support.procs import free_port
 from tests.support.tinymodel import ensure_model
 
@@ -232,14 +233,13 @@ def compare(stock: dict[str, Outcome], patched: dict[str, Outcome]) -> list[str]
 
 
 def default_binary(stock: bool) -> Path:
-    env = os.environ.get("LLAMA_SERVER_STOCK_BIN" if stock else "LLAMA_SERVER_BIN")
-    if env:
-        return Path(env)
-    out = subprocess.run([str(BUILD_SCRIPT), *(["--stock"] if stock else []), "--print-path"],
-                         capture_output=True, text=True, check=False)
-    path = Path(out.stdout.strip().splitlines()[-1]) if out.stdout.strip() else Path()
-    if out.returncode != 0 or not path.is_file():
-        raise SystemExit(f"no {'stock' if stock else 'patched'} build: run ./build_llama.sh"
+    try:
+        path = server_binary(stock=stock, print_path=True)
+    except RuntimeError:
+        path = Path()
+    if not path.is_file():
+        where = f" at {path}" if path.parts else ""
+        raise SystemExit(f"no {'stock' if stock else 'patched'} build{where}: run ./build_llama.sh"
                          f"{' --stock' if stock else ''}")
     return path
 
