@@ -82,19 +82,22 @@ def run_proxy(config: Config) -> None:
 
 async def _main(config: Config) -> None:
     sidecar = Sidecar(config)
-    async with anyio.create_task_group() as tg:
+    # The handlers go in before the sidecar starts, so that a signal sent as soon as the
+    # "listening" line is read drains (the receiver queues it) instead of killing.
+    with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with anyio.create_task_group() as tg:
 
-        async def run_then_stop(
-            *, task_status: anyio.abc.TaskStatus[Sidecar] = anyio.TASK_STATUS_IGNORED
-        ) -> None:
-            await sidecar.run(task_status=task_status)
-            tg.cancel_scope.cancel()  # drained: stop waiting for signals
+            async def run_then_stop(
+                *, task_status: anyio.abc.TaskStatus[Sidecar] = anyio.TASK_STATUS_IGNORED
+            ) -> None:
+                await sidecar.run(task_status=task_status)
+                tg.cancel_scope.cancel()  # drained: stop waiting for signals
 
-        await tg.start(run_then_stop)
-        print(
-            f"llama-sidecar: listening on {sidecar.url} metrics {sidecar.metrics_url}", flush=True
-        )
-        with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            await tg.start(run_then_stop)
+            print(
+                f"llama-sidecar: listening on {sidecar.url} metrics {sidecar.metrics_url}",
+                flush=True,
+            )
             first = True
             async for _ in signals:
                 if first:
