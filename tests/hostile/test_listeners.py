@@ -178,21 +178,23 @@ def _stream(url: str, out: dict[str, object]) -> threading.Thread:
     return t
 
 
-@pytest.mark.slow
-def test_idle_metrics_connections_past_30_s_leave_the_process_serving() -> None:
-    """The two shapes of the old 30 s trap, on a real child process.
+def test_idle_metrics_connections_past_their_timeouts_leave_the_process_serving() -> None:
+    """The two shapes of the old 30 s trap (the old idle timeout), on a real child process.
 
     A connection that never sends a byte (the old code then read an unset variable:
     the process exited and cut every stream), and one that scrapes once, stays idle
-    past 30 s and then closes (the old code then spun on ``ConnectionClosed``: no
-    port answered and SIGTERM was ignored).
+    past the timeout and then closes (the old code then spun on ``ConnectionClosed``: no
+    port answered and SIGTERM was ignored).  The timeouts are set to a second, and the
+    test waits until the listener has ended both connections itself.
     """
-    n = 70
-    script = [sse_head(), *[x for i in range(n) for x in (("send", chunk(i)), ("sleep", 0.5))],
+    idle = 1.0
+    n = 12  # a stream of 3 s, which outlives both timeouts
+    script = [sse_head(), *[x for i in range(n) for x in (("send", chunk(i)), ("sleep", 0.25))],
               ("send", b"data: [DONE]\n\n"), ("end",)]  # fmt: skip
     with fake_upstream_in_thread() as fake:
         fake.route("/v1/chat/completions", script)
-        proc = start_subprocess(ephemeral_config(fake.url))
+        config = ephemeral_config(fake.url, header_timeout=idle, keepalive_timeout=idle)
+        proc = start_subprocess(config)
         try:
             assert proc.metrics_url is not None
             base = proc.metrics_url.removesuffix("/metrics")
@@ -203,7 +205,13 @@ def test_idle_metrics_connections_past_30_s_leave_the_process_serving() -> None:
             assert scraper.recv(4096).startswith(b"HTTP/1.1 200 ")
             out: dict[str, object] = {}
             t = _stream(proc.url + "/v1/chat/completions", out)
-            time.sleep(31)
+            for s in (silent, scraper):  # idle past the timeouts: the listener ends them
+                s.settimeout(20)
+                try:
+                    while s.recv(4096):
+                        pass
+                except ConnectionResetError:
+                    pass
             scraper.close()
             time.sleep(0.5)
             assert proc.alive(), "".join(proc.lines[-40:])
