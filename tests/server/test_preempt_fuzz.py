@@ -44,8 +44,8 @@ other generator), e.g. the 1,000 mixed seeds of the liveness check (about 25 min
     FUZZ_SEEDS=1000 .venv/bin/python -m pytest tests/server/test_preempt_fuzz.py -q
 
 A failing seed is reproduced alone with `FUZZ_SEEDS=1 FUZZ_SEED_START=<seed>` (plus its
-FUZZ_MIX); its plan is printed in the assertion message. `FUZZ_REPEAT=N` runs each seed N times,
-for a failure that depends on timing.
+FUZZ_MIX; `FUZZ_SEED_LIST="173 202"` runs a list); its plan is printed in the assertion message.
+`FUZZ_REPEAT=N` runs each seed N times, for a failure that depends on timing.
 
 A classic workload holds at most one `n_cmpl` family unless `FUZZ_FAMILIES=N` allows N (the pinned
 classic seeds were found with one); a mixed workload draws 1-3 unless FUZZ_FAMILIES is set.
@@ -88,16 +88,22 @@ from tests.support.tinymodel import SPECS, cached
 
 pytestmark = [pytest.mark.server]
 
-# Classic seeds: the first ones, and seeds that failed on the series before issue 10's fixes
-# (docs/preemption.md, "Testing"): 13 (defect 1, context lost), 25 (10, a family blocked parking),
-# 50 and 81 (12, an unpaired park; 81 also 11), 107 (11, "Invalid input batch."); 297 and 354
-# failed on the first fixed build (a last resort without a victim rewound the batch; a prompt
-# restarted by recompute was restored for one chunk and parked again forever); 151 failed on the
-# second (a drafting family that overflows alone had its batch halved through the draft: an
-# exception instead of the context error).
-CLASSIC_SEEDS = [0, 1, 2, 13, 25, 50, 81, 107, 151, 297, 354]
-# Mixed seeds: the first ones, one of each new ingredient (see docs/preemption.md, "Testing").
-MIXED_SEEDS = [0, 1, 2]
+# Classic seeds that failed on the series before the fixes they pin (docs/preemption.md,
+# "Testing"): 13 (context lost), 25 (a family blocked parking), 50 and 81 (an unpaired park; 81
+# also "Invalid input batch."), 107 ("Invalid input batch."); 297 and 354 failed on the first
+# fixed build (a last resort without a victim rewound the batch; a prompt restarted by recompute
+# was restored for one chunk and parked again forever); 151 failed on the second (a drafting
+# family that overflows alone had its batch halved through the draft: an exception instead of
+# the context error).
+CLASSIC_SEEDS = [13, 25, 50, 81, 107, 151, 297, 354]
+# Mixed seeds: the first one (classic 0-2 are mixed 0-2 with little or nothing mixed in); 173, a
+# livelock of the series before the last resort learnt that a park can fail (two image slots and
+# a family at -c 512 with LLAMA_SERVER_PREEMPT_FAIL_POOL: "last resort found nothing to park",
+# 2,954 times in 2.8 s without a token); and workloads that park with the new ingredients: 39
+# (context shift, planner off), 78 (images, failing pool, n_cmpl 3), 105 (context shift,
+# priorities, failing pool: 136 recomputes of shifted slots before they became swap-only), 204
+# (priorities, two families, n_cmpl 3).
+MIXED_SEEDS = [0, 173, 39, 78, 105, 204]
 DEFAULT_CASES = [("classic", s) for s in CLASSIC_SEEDS] + [("mixed", s) for s in MIXED_SEEDS]
 
 MARGIN = 8  # the planner's margin (PREEMPTION.md section 3)
@@ -106,13 +112,16 @@ IMAGE_CELLS = 16  # the generated LLaVA-style projector: any image is 16 cells
 
 def fuzz_cases() -> list[Any]:
     n = os.environ.get("FUZZ_SEEDS")
-    if not n:
-        cases = DEFAULT_CASES
-    else:
-        mix = os.environ.get("FUZZ_MIX", "mixed")
-        assert mix in ("classic", "mixed"), f"FUZZ_MIX is classic or mixed, not {mix!r}"
+    listed = os.environ.get("FUZZ_SEED_LIST")
+    mix = os.environ.get("FUZZ_MIX", "mixed")
+    assert mix in ("classic", "mixed"), f"FUZZ_MIX is classic or mixed, not {mix!r}"
+    if listed:
+        cases = [(mix, int(s)) for s in listed.replace(",", " ").split()]
+    elif n:
         start = int(os.environ.get("FUZZ_SEED_START", "0"))
         cases = [(mix, s) for s in range(start, start + int(n))]
+    else:
+        cases = DEFAULT_CASES
     # FUZZ_REPEAT=N runs each case N times (a timing-dependent failure)
     repeat = int(os.environ.get("FUZZ_REPEAT", "1"))
     return [pytest.param(mix, seed, id=f"{mix}-{seed}" + (f"-r{r}" if repeat > 1 else ""))
@@ -486,32 +495,44 @@ class Liveness:
     """The watchdog's bounds for one workload.
 
     * `stall_s`: no token for anyone while the server parks or restores (or logs on);
-    * `starve_s`: no token for one streamed request while the server parks or restores, or for
-      anyone while requests are open, parks or not: the plan's whole work (every prompt and every
-      token, each family member's, at the measured solo speeds) several times over;
+    * `hang_s`: no token for anyone while requests are open, whatever the server does;
+    * `starve_s`: no token for one streamed request while the server parks or restores: the
+      plan's whole work (every prompt, in batches of `-ub`, and every token, each family member's,
+      at the measured solo speeds; several times over where parks go by recompute and replay
+      what they held) five times over;
     * `parks_per_gap`: parks and restores between two tokens anyone got;
     * `log_per_gap`: server log bytes between two tokens anyone got.
 
     None of these is a speed limit: a healthy run is far below each (see the figures in
-    docs/preemption.md, "Testing"), a livelock exceeds them within a second or two of `stall_s`.
+    docs/preemption.md, "Testing"), a livelock passes the first or the last two within a second
+    or two.
     """
 
     stall_s: float
+    hang_s: float
     starve_s: float
     parks_per_gap: int
     log_per_gap: int
 
     @classmethod
     def for_plan(cls, server: ServerPlan, plans: list[RequestPlan], speed: Speeds) -> Liveness:
+        step = min(server.n_batch, server.n_ubatch)
         work = 0.0
         for p in plans:
             for k in range(len(p.prompts)):
-                work += p.prompt_cells(k) / speed.prompt + p.n_cmpl * p.n_predict / speed.gen
+                n = p.prompt_cells(k)
+                work += n / speed.prompt + -(-n // step) / speed.gen
+                work += p.n_cmpl * p.n_predict / speed.gen
         if server.draft:
             work *= 2  # the draft model is the same model: each token costs about two
-        starve = 20.0 + 5.0 * work + 2.0 * sum(p.delay for p in plans)
+        if server.swap_may_fail:
+            work *= 4  # parks by recompute replay what the slot held
         stall = 10.0 + 3.0 * server.pool / speed.prompt
-        return cls(stall_s=stall, starve_s=max(starve, 2 * stall),
+        starve = 20.0 + 5.0 * work + 2.0 * sum(p.delay for p in plans)
+        # FUZZ_LIVENESS_SCALE=K stretches the times (to see whether a starving request ends)
+        scale = float(os.environ.get("FUZZ_LIVENESS_SCALE", "1"))
+        stall, starve = stall * scale, starve * scale
+        return cls(stall_s=stall, hang_s=3 * stall, starve_s=max(starve, 2 * stall),
                    parks_per_gap=200 + 25 * server.n_slots, log_per_gap=1 << 20)
 
 
@@ -655,8 +676,8 @@ class Watchdog:
         if gap > b.stall_s and (act or logb > 64 * 1024):
             return (f"livelock: no token for {gap:.1f} s (bound {b.stall_s:.1f}) while the "
                     f"server logged {act} parks/restores/last resorts and {logb} bytes")
-        if gap > b.starve_s:
-            return (f"hang: no token for {gap:.1f} s (bound {b.starve_s:.1f}) with requests "
+        if gap > b.hang_s:
+            return (f"hang: no token for {gap:.1f} s (bound {b.hang_s:.1f}) with requests "
                     f"{open_} open, {act} parks/restores/last resorts")
         for i, t in streams:
             assert t is not None
@@ -921,7 +942,7 @@ def tiny_mmproj() -> Path:
 
 
 # parks and log bytes per generated token over a whole run (plus an allowance per request): a
-# healthy run stays far below (see docs/preemption.md, "Testing"), the livelocks of issue 23
+# healthy run stays far below (see docs/preemption.md, "Testing"), the livelocks this is for
 # made thousands of parks and megabytes of log without a token
 PARKS_PER_TOKEN = 1.0
 PARKS_PER_TASK = 16

@@ -3,7 +3,7 @@ stock and the patched build; the whole suite is `python -m tests.upstream.suite`
 
 `test_sleep.py::test_server_sleep_read_only_endpoints`: while the server sleeps, `/metrics` must
 read exactly as it did awake (and must not wake it). The patched build's KV gauges read the
-pool's cells awake and 0 asleep, which failed it (issue 23, item 10).
+pool's cells awake and 0 asleep, which failed it.
 """
 
 from __future__ import annotations
