@@ -381,6 +381,27 @@ def test_a_request_waiting_behind_the_parked_line_hears_queued_and_keepalives(
     wait_settled(srv.url)
 
 
+@pytest.mark.parametrize("bad", ["oversized", "grammar"])
+def test_a_request_that_fails_at_launch_keeps_its_4xx_behind_the_parked_line(
+    start_server: StartServer, slow_model: Path, bad: str,
+) -> None:
+    """`: queued` opens a waiting request's stream. A request whose launch fails at once (a
+    prompt longer than the context, a grammar the sampler cannot parse) must still get its plain
+    4xx, not 200 and an error inside the stream (before `: queued` existed it waited silently
+    and got the 4xx at launch; the first build with `: queued` answered 200 + an in-stream error
+    for the oversized prompt, which test_preempt_kv.py's seeded soak caught)."""
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "3"])
+    t_pair, _ = park_a_pair(srv)
+    extra: dict[str, Any] = {"grammar": "root ::= ("} if bad == "grammar" else {}
+    prompt = token_prompt(300 if bad == "oversized" else 8, 53)
+    late = stream_sse(f"{srv.url}/completion",
+                      completion_body(prompt, 8, stream=True, **extra))
+    t_pair.join(300)
+    assert 400 <= late.status < 500, (late.status, late.lines[:3])
+    assert not any(line == ": queued" for _, line in late.lines), late.lines[:3]
+    wait_settled(srv.url)
+
+
 def test_a_slot_restore_is_refused_while_a_request_is_parked(start_server: StartServer,
                                                              slow_model: Path,
                                                              tmp_path: Path) -> None:
