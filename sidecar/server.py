@@ -335,6 +335,10 @@ class Sidecar:
         finally:
             with anyio.CancelScope(shield=True):
                 await stream.aclose()
+            if self._reserve is not None and self._reserve.fd is None:
+                # the socket is closed by a callback the close just scheduled: take the
+                # freed descriptor back for the reserve right after it, before any accept
+                asyncio.get_running_loop().call_soon(self._reserve.take)
 
     # ------------------------------------------------------------ proxy side
 

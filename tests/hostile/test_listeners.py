@@ -265,7 +265,7 @@ def test_at_the_descriptor_limit_the_sidecar_backs_off_and_answers_healthz() -> 
                 failures = [line for line in proc.lines if "accept failed" in line]
                 assert 1 <= len(failures) <= 2, failures
                 assert "Too many open files" in failures[0]
-                for _ in range(3):  # one after the other, each on a new connection
+                for _ in range(5):  # one after the other, each on a new connection
                     r = httpx.get(f"http://{metrics.hostname}:{metrics.port}/healthz", timeout=10)
                     assert (r.status_code, r.text) == (200, "ok\n")
             finally:
