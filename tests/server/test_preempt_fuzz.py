@@ -498,8 +498,10 @@ class Liveness:
     * `hang_s`: no token for anyone while requests are open, whatever the server does;
     * `starve_s`: no token for one streamed request while the server parks or restores: the
       plan's whole work (every prompt, in batches of `-ub`, and every token, each family member's,
-      at the measured solo speeds; several times over where parks go by recompute and replay
-      what they held) five times over;
+      at the measured solo speeds; with forced parks by recompute, every replay; four times over
+      where parks under pressure may go by recompute) ten times over: a request that waits
+      for all the others (a low priority with strict aging, or no free slot) is not starving,
+      and one that starves while the others run shows as a stall once they are done;
     * `parks_per_gap`: parks and restores between two tokens anyone got;
     * `log_per_gap`: server log bytes between two tokens anyone got.
 
@@ -517,18 +519,27 @@ class Liveness:
     @classmethod
     def for_plan(cls, server: ServerPlan, plans: list[RequestPlan], speed: Speeds) -> Liveness:
         step = min(server.n_batch, server.n_ubatch)
+        every = int(server.env.get("LLAMA_SERVER_PREEMPT_EVERY", "0"))
+
+        def fill(n: float) -> float:
+            """Seconds to decode n prompt (or replayed) tokens in batches of `step`."""
+            return n / speed.prompt + n / step / speed.gen
+
         work = 0.0
         for p in plans:
             for k in range(len(p.prompts)):
                 n = p.prompt_cells(k)
-                work += n / speed.prompt + -(-n // step) / speed.gen
-                work += p.n_cmpl * p.n_predict / speed.gen
+                work += fill(n) + p.n_cmpl * p.n_predict / speed.gen
+                if every and server.swap_may_fail:
+                    # a forced park every `every` tokens, by recompute: each replays the sequence
+                    gen = min(p.n_predict, max(0, server.pool - n))
+                    work += p.n_cmpl * fill(gen / every * (n + gen / 2))
         if server.draft:
             work *= 2  # the draft model is the same model: each token costs about two
         if server.swap_may_fail:
-            work *= 4  # parks by recompute replay what the slot held
+            work *= 4  # parks under pressure by recompute replay what the slot held
         stall = 10.0 + 3.0 * server.pool / speed.prompt
-        starve = 20.0 + 5.0 * work + 2.0 * sum(p.delay for p in plans)
+        starve = 30.0 + 10.0 * work + 2.0 * sum(p.delay for p in plans)
         # FUZZ_LIVENESS_SCALE=K stretches the times (to see whether a starving request ends)
         scale = float(os.environ.get("FUZZ_LIVENESS_SCALE", "1"))
         stall, starve = stall * scale, starve * scale

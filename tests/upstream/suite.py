@@ -23,6 +23,7 @@ listed as such, not counted as regressions.
     .venv/bin/python -m tests.upstream.suite                   # the whole unit/ suite
     .venv/bin/python -m tests.upstream.suite unit/test_sleep.py unit/test_metrics.py
     .venv/bin/python -m tests.upstream.suite --patched BIN --stock BIN --json out.json
+    .venv/bin/python -m tests.upstream.suite --stock-from out.json   # stock's outcomes reused
 
 The binaries default to build_llama.sh's (LLAMA_SERVER_BIN / LLAMA_SERVER_STOCK_BIN override).
 """
@@ -253,16 +254,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", type=Path, help="work directory (default: a temporary one)")
     ap.add_argument("--json", type=Path, help="write the outcomes side by side here")
     ap.add_argument("--timeout", type=int, default=TEST_TIMEOUT_S, help="seconds per test")
+    ap.add_argument("--stock-from", type=Path, help="take the stock outcomes from an earlier "
+                    "--json file instead of running the suite on stock again (it does not "
+                    "change with the patch series)")
     args = ap.parse_args(argv)
 
     patched = args.patched or default_binary(stock=False)
-    stock = args.stock or default_binary(stock=True)
+    stock = args.stock or (Path("(earlier run)") if args.stock_from
+                           else default_binary(stock=True))
     model = ensure_model(cache_dir() / "models", "tiny")
     tree = source_tree()
     with tempfile.TemporaryDirectory(prefix="upstream-suite-") as tmp:
         work = args.work or Path(tmp)
         tests = prepare(work, tree)
-        out_stock, t_stock = run_suite(stock, tests, args.selection, model, "stock", args.timeout)
+        if args.stock_from:
+            earlier = json.loads(args.stock_from.read_text())
+            out_stock = {k: Outcome(**v) for k, v in earlier["stock"].items()
+                         if not args.selection or any(k.startswith(sel.rstrip("/"))
+                                                      for sel in args.selection)}
+            t_stock = float(earlier["wall_s"]["stock"])
+        else:
+            out_stock, t_stock = run_suite(stock, tests, args.selection, model, "stock",
+                                           args.timeout)
         out_patched, t_patched = run_suite(patched, tests, args.selection, model, "patched",
                                            args.timeout)
     regressions = compare(out_stock, out_patched)
