@@ -97,7 +97,7 @@ access_log = logging.getLogger("sidecar.access")
 
 MAX_ERROR_BODY = 64 * 1024
 # body bytes checked for text (sidecar.jsontext) between two yields of the event loop
-TEXT_CHECK_STEP = 1024 * 1024
+TEXT_CHECK_STEP = 256 * 1024
 # Keepalives are written at 90% of the interval: slack for event-loop lag.
 KEEPALIVE_LEAD = 0.1
 

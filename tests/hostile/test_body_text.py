@@ -77,6 +77,66 @@ def test_json_dumps_output_always_passes_and_a_lone_surrogate_never() -> None:
             assert check(lone, rng.randrange(1, 20)) is not None, lone
 
 
+def reference(body: bytes) -> bool:
+    """An independent reading: True if the body is UTF-8 and every surrogate escape is paired.
+
+    Walks the escapes one by one, as a JSON string parser does.
+    """
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    i, pending_high = 0, False
+    while i < len(body):
+        if body[i] == ord("\\"):
+            if body[i + 1 : i + 2] == b"u" and i + 6 <= len(body):
+                try:
+                    code = int(body[i + 2 : i + 6], 16)
+                except ValueError:
+                    code = -1
+                if 0xD800 <= code <= 0xDBFF and not pending_high:
+                    pending_high, i = True, i + 6
+                    continue
+                if 0xDC00 <= code <= 0xDFFF and pending_high:
+                    pending_high, i = False, i + 6
+                    continue
+                if 0xD800 <= code <= 0xDFFF:
+                    return False
+            if pending_high:
+                return False
+            i += 2
+            continue
+        if pending_high:
+            return False
+        i += 1
+    return not pending_high
+
+
+def test_the_check_agrees_with_a_reading_escape_by_escape() -> None:
+    """Property: random bodies made of escape fragments, cut into pieces of any size."""
+    rng = random.Random(1)
+    parts = [b"\\", b"u", b"d", b"8", b"3", b"D", b"c", b"e", b"0", b"a", b"x", b'"',
+             b"\\ud83d", b"\\ude00", b"\\ud800", b"\\udc00", b"\\\\"]  # fmt: skip
+    for _ in range(3000):
+        body = b"".join(rng.choice(parts) for _ in range(rng.randrange(1, 30)))
+        want = None if reference(body) else "bad"
+        for piece in (1, 2, 3, 7, 64):
+            got = check(body, piece)
+            assert (got and "bad") == want, (body, piece, got)
+
+
+def test_what_is_kept_between_pieces_is_bounded() -> None:
+    """A megabyte run of backslashes is kept as its parity, not re-read with every piece."""
+    c = TextCheck()
+    c.feed(b'{"a":"')
+    for _ in range(256):
+        c.feed(b"\\" * 4096)
+        assert len(c._carry) <= 32
+    c.feed(b"\\ud800")  # an odd run in all: a real escape, and alone
+    with pytest.raises(BadText, match="unpaired"):
+        c.finish()
+
+
 @pytest.mark.anyio
 @pytest.mark.parametrize("name", list(BAD))
 async def test_bad_text_gets_a_400_and_its_file_is_closed_at_once(
