@@ -20,6 +20,26 @@ from tests.support.tinymodel import ensure_model
 REPO = Path(__file__).resolve().parent.parent
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--part", choices=("parallel", "serial"), default=None,
+        help="`make test`'s two parts: the tests not marked `serial` (on xdist workers), "
+        "or only those marked `serial` (one at a time); default: all",
+    )  # fmt: skip
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    part = config.getoption("--part")
+    if part is None:
+        return
+    want = part == "serial"
+    keep = [i for i in items if (i.get_closest_marker("serial") is not None) == want]
+    dropped = [i for i in items if (i.get_closest_marker("serial") is not None) != want]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = keep
+
+
 def _binary(stock: bool) -> Path:
     try:
         return server_binary(stock=stock)

@@ -28,6 +28,7 @@ HOSTILE = {
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_parked_stream_keeps_its_promise_under_hostile_clients() -> None:
     bound = PARK_KEEPALIVE + 0.1
     quiet = require_a_machine_that_keeps_time(bound, PARK_KEEPALIVE)
@@ -53,6 +54,7 @@ PRIORITY_ATTACKS = {
 
 
 @pytest.mark.slow
+@pytest.mark.serial
 def test_a_parked_stream_keeps_its_promise_under_attacks_on_the_priority_rule() -> None:
     bound = PARK_KEEPALIVE + 0.1
     quiet = require_a_machine_that_keeps_time(bound, PARK_KEEPALIVE, **PRIORITY_RULE)

@@ -19,7 +19,7 @@ from tests.conftest import StartServer
 from tests.support.llama import LlamaServer
 from tests.support.sse_client import StreamLog
 
-pytestmark = [pytest.mark.server, pytest.mark.slow]
+pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.serial]
 
 ARGS = ["-c", "32768", "-np", "2", "--kv-unified", "-b", "64", "-ub", "64",
         "--sse-ping-interval", "1", "-t", "1", "-tb", "1"]
