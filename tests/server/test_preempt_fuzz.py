@@ -544,7 +544,7 @@ class Liveness:
         scale = float(os.environ.get("FUZZ_LIVENESS_SCALE", "1"))
         stall, starve = stall * scale, starve * scale
         return cls(stall_s=stall, hang_s=3 * stall, starve_s=max(starve, 2 * stall),
-                   parks_per_gap=200 + 25 * server.n_slots, log_per_gap=1 << 20)
+                   parks_per_gap=600 + 50 * server.n_slots, log_per_gap=1 << 20)
 
 
 @dataclass
