@@ -252,15 +252,16 @@ ui_failed() {
         "read the log's end above (npm ci needs the npm registry, or its cache); to build without the chat page: $0 --no-ui"
 }
 build_ui() {
-    local work="$ui_cache/work" lock_sum
+    local work="$ui_cache/work" lock_sum install=1
     ui_log="$ui_cache/build.log" ui_t0=$SECONDS
-    say "building the web UI from tools/ui: npm ci, vite build (log: $ui_log)"
+    lock_sum=$(sha256sum "$ui_src/package-lock.json" | cut -d' ' -f1)
+    [ "$(cat "$work/node_modules/.llama-sidecar-lock" 2>/dev/null)" != "$lock_sum" ] || install=0
+    say "building the web UI from tools/ui: $([ "$install" = 1 ] && echo "npm ci, ")vite build (log: $ui_log)"
     mkdir -p "$work"
     find "$work" -mindepth 1 -maxdepth 1 ! -name node_modules -exec rm -rf {} +
     cp -a "$ui_src/." "$work/"
-    lock_sum=$(sha256sum "$work/package-lock.json" | cut -d' ' -f1)
     : > "$ui_log"
-    if [ "$(cat "$work/node_modules/.llama-sidecar-lock" 2>/dev/null)" != "$lock_sum" ]; then
+    if [ "$install" = 1 ]; then
         echo "\$ npm ci --no-audit --no-fund" >>"$ui_log"
         (cd "$work" && npm ci --no-audit --no-fund) >>"$ui_log" 2>&1 || ui_failed "npm ci"
         mkdir -p "$work/node_modules"; echo "$lock_sum" > "$work/node_modules/.llama-sidecar-lock"
