@@ -8,8 +8,8 @@ import httpx
 import pytest
 
 from sidecar.request import public_route
-from tests.proxy.conftest import SidecarFactory
 from tests.support.fake_upstream import FakeUpstream
+from tests.support.fixtures import SidecarFactory
 
 UI_FILES = [
     b"/", b"/?lang=en", b"/index.html", b"/sw.js", b"/manifest.webmanifest", b"/build.json",
