@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.unit.test_build_progress import checkout, standin_tree
+from tests.tooling.test_build_progress import checkout, standin_tree
 
 pytestmark = pytest.mark.skipif(
     not (shutil.which("cmake") and shutil.which("cc") and shutil.which("ccache")
