@@ -1,7 +1,8 @@
 """llama-server's own chat page, served through the sidecar, in a real (headless) browser.
 
 `llama-sidecar up` runs the patched build (with its web UI, patched to show parks) and the
-generated tiny model (greedy: `--temp 0`); Chromium opens the page, types a message, sends
+generated "slow" model (greedy: `--temp 0`; tens of tokens per second, so parks last
+seconds); Chromium opens the page, types a message, sends
 it, and the test watches what a person would see. A script added to every page before the
 UI loads records, from the DOM, each time the pause notice appears (and its text) and
 whether a "Reconnecting" status ever showed, and keeps a copy of every chat stream the page
@@ -14,7 +15,7 @@ with that reference.
   that leaves it no room for a while: the notice showed while parked, is gone at the end,
   and the text is the unparked one;
 * four chats in four tabs at once on a pool that fits about two: 4/4 finish with no error,
-  every chat the server parked showed the pause, none that was not parked did, no
+  every chat the server parked (or queued) showed the pause, none other did, no
   "Reconnecting", and `/metrics` agrees with the chats' records;
 * the same four chats through nginx (docs/nginx.conf) whose read timeout is shorter than
   the parks;
