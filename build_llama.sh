@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Build the patched (or, with --stock, the pristine) llama-server from the pinned source.
 #
-#   build_llama.sh [--stock] [--native | --cuda] [--src DIR] [--jobs N] [--print-path] [--quiet]
+#   build_llama.sh [--stock] [--native | --cuda] [--no-ui] [--src DIR] [--jobs N] [--print-path] [--quiet]
 #
 # The source is the vendor/llama.cpp tree of the llama-cpp-python sdist named in
 # server_patch/upstream.env, fetched once with pip and verified by sha256. The patches in
-# server_patch/series are applied in order. The binary is cached outside the work tree,
-# keyed by source + patches + flags, so a second call with the same inputs is instant.
+# server_patch/series are applied in order. The patched server embeds llama.cpp's web UI
+# (tools/ui, built with npm; cached, keyed by its sources); the stock one is the pristine
+# source without it. The binary is cached outside the work tree, keyed by source + patches +
+# flags, so a second call with the same inputs is instant.
 # Progress goes to stderr; the path of the built binary is the only line on stdout.
 set -euo pipefail
 # The whole script is one compound command, parsed before it runs: editing this file while a
@@ -19,17 +21,19 @@ source "$patch_dir/upstream.env"
 
 cache=${LLAMA_SIDECAR_CACHE:-${XDG_CACHE_HOME:-$HOME/.cache}/llama-sidecar}
 python=${PYTHON:-python3}
-stock=0 native=0 cuda=0 src="" print_only=0 quiet=0
+stock=0 native=0 cuda=0 src="" print_only=0 quiet=0 no_ui=0
 jobs=${JOBS:-$(nproc 2>/dev/null || echo 2)}
 
 say()  { [ "$quiet" = 1 ] || printf '\033[1m[build_llama]\033[0m %s\n' "$*" >&2; }
+elapsed() { local s=$((SECONDS - $1)); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
 die()  { printf '\033[1;31m[build_llama] error:\033[0m %s\n' "$1" >&2; [ $# -lt 2 ] || printf '  what to do: %s\n' "$2" >&2; exit 1; }
-usage() { sed -n '2,10p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; cat <<EOF
+usage() { sed -n '2,12p' "${BASH_SOURCE[0]}" | sed 's/^# \{0,1\}//'; cat <<EOF
 
 Options:
   --stock        build the pinned source without the patch series (own cache slot)
   --native       optimise for this CPU (-DGGML_NATIVE=ON; may SIGILL on AMX machines)
   --cuda         build the CUDA backend (CUDA_ARCH env, default "native")
+  --no-ui        leave the web UI out (the API is the same; no chat page at /)
   --src DIR      use a local llama.cpp checkout instead of the pinned sdist
   --jobs N       parallel compile jobs (default: all cores)
   --print-path   print where the binary is (or would be) and exit; 1 if not built yet
@@ -44,6 +48,7 @@ while [ $# -gt 0 ]; do
         --stock) stock=1 ;;
         --native) native=1 ;;
         --cuda) cuda=1 ;;
+        --no-ui) no_ui=1 ;;
         --src) [ $# -ge 2 ] || die "--src needs a directory"; src=$(cd "$2" && pwd) || die "no such directory: $2"; shift ;;
         --jobs) [ $# -ge 2 ] || die "--jobs needs a number"; jobs=$2; shift ;;
         --print-path) print_only=1 ;;
@@ -55,15 +60,33 @@ while [ $# -gt 0 ]; do
 done
 [ "$native" = 1 ] && [ "$cuda" = 1 ] && die "--native and --cuda are exclusive"
 
+# ---- the web UI: whether this build embeds it ------------------------------------------------
+# The patched build embeds llama.cpp's own web UI (tools/ui, SvelteKit), built with npm from the
+# lock file as shipped; it needs node and npm. The stock build stays the pristine source as
+# upstream's CMake builds it by default: no UI.
+ui=0
+if [ "$stock" = 0 ] && [ "$no_ui" = 0 ]; then
+    if [ -n "$src" ] && [ ! -f "$src/tools/ui/package.json" ]; then
+        ui=0  # a tree without the UI's sources
+    elif command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1; then
+        ui=1
+    elif [ "$print_only" = 0 ]; then
+        say "node/npm not found: building llama-server without its web UI (the API works; apt-get install nodejs npm for the chat page)"
+    fi
+fi
+
 # ---- the configuration that defines a build --------------------------------------------------
 cmake_flags=(
     -DCMAKE_BUILD_TYPE=Release
     -DBUILD_SHARED_LIBS=OFF
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_APP=OFF
     -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
-    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_HTML=OFF
+    "-DLLAMA_BUILD_UI=$([ "$ui" = 1 ] && echo ON || echo OFF)" -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_BUILD_HTML=OFF
     -DLLAMA_OPENSSL=OFF
 )
+# With the UI, its assets are built here (below, cached) into tools/ui/dist, which CMake's
+# scripts/ui-assets.cmake takes before anything else and embeds (never a download: the
+# prebuilt-UI download stays off).
 if [ "$native" = 1 ]; then
     cmake_flags+=(-DGGML_NATIVE=ON)
     variant=native
@@ -216,6 +239,63 @@ done
 printf '%s\n' "${stale[@]}" "${changed[@]}" | sed '/^$/d' | sort -u > "$touched"
 rm -rf "$tree"; mv "$tree.new" "$tree"
 
+# ---- the web UI's assets ----------------------------------------------------------------------
+# Built once per content of the tree's tools/ui (the pinned sources, our UI patch, the lock
+# file) and node version, into $cache/ui/dist-KEY, and copied into tools/ui/dist, where CMake
+# finds them. node_modules stays in $cache/ui/work and is installed again (`npm ci`, the lock
+# file as shipped) only when the lock file changes. The npm output goes to a log; the terminal
+# gets one line.
+ui_failed() {
+    echo "---- last lines of $ui_log ----" >&2
+    tail -20 "$ui_log" >&2
+    die "the web UI's $1 failed after $(elapsed "$ui_t0") (full log: $ui_log)" \
+        "read the log's end above (npm ci needs the npm registry, or its cache); to build without the chat page: $0 --no-ui"
+}
+build_ui() {
+    local work="$ui_cache/work" lock_sum install=1
+    ui_log="$ui_cache/build.log" ui_t0=$SECONDS
+    lock_sum=$(sha256sum "$ui_src/package-lock.json" | cut -d' ' -f1)
+    [ "$(cat "$work/node_modules/.llama-sidecar-lock" 2>/dev/null)" != "$lock_sum" ] || install=0
+    say "building the web UI from tools/ui: $([ "$install" = 1 ] && echo "npm ci, ")vite build (log: $ui_log)"
+    mkdir -p "$work"
+    find "$work" -mindepth 1 -maxdepth 1 ! -name node_modules -exec rm -rf {} +
+    cp -a "$ui_src/." "$work/"
+    : > "$ui_log"
+    if [ "$install" = 1 ]; then
+        echo "\$ npm ci --no-audit --no-fund" >>"$ui_log"
+        (cd "$work" && npm ci --no-audit --no-fund) >>"$ui_log" 2>&1 || ui_failed "npm ci"
+        mkdir -p "$work/node_modules"; echo "$lock_sum" > "$work/node_modules/.llama-sidecar-lock"
+    fi
+    rm -rf "$ui_out.new"
+    echo "\$ npm run build" >>"$ui_log"
+    (cd "$work" && LLAMA_UI_OUT_DIR="$ui_out.new" npm run build) >>"$ui_log" 2>&1 || ui_failed "build (npm run build)"
+    [ -f "$ui_out.new/index.html" ] || ui_failed "build (no index.html in its output)"
+    rm -rf "$ui_out"; mv "$ui_out.new" "$ui_out"
+    say "web UI built in $(elapsed "$ui_t0")"
+}
+ui_info="none"
+if [ "$ui" = 1 ]; then
+    ui_src="$tree/tools/ui"
+    [ -f "$ui_src/package.json" ] || die "the tree has no tools/ui/package.json" "build without the web UI: $0 --no-ui"
+    ui_key=$( { node --version; cd "$ui_src" && find . \( -name node_modules -o -name dist \) -prune -o -type f -print0 \
+                | LC_ALL=C sort -z | xargs -0 sha256sum; } | sha256sum | cut -c1-16)
+    ui_cache="$cache/ui"
+    ui_out="$ui_cache/dist-$ui_key"
+    mkdir -p "$ui_cache"
+    # One UI build at a time (the variants share the work directory).
+    exec 8>"$ui_cache/.lock"
+    if command -v flock >/dev/null 2>&1; then flock 8; fi
+    if [ -f "$ui_out/index.html" ]; then
+        say "web UI: cached ($ui_out)"
+    else
+        build_ui
+    fi
+    exec 8>&-
+    rm -rf "$ui_src/dist"
+    cp -a "$ui_out" "$ui_src/dist"
+    ui_info="$ui_out"
+fi
+
 # ---- configure and build ----------------------------------------------------------------------
 # The compiler's output goes to the log (kept in the cache); the terminal gets one progress
 # line: the step, make's percentage and the elapsed time (rewritten in place on a terminal,
@@ -231,7 +311,6 @@ cmake -S "$tree" -B "$build" "${cmake_flags[@]}" >"$work/configure-$kind.log" 2>
 export CCACHE_BASEDIR=$work
 export CCACHE_STATSLOG="$work/ccache-$kind.log"
 rm -f "$CCACHE_STATSLOG"
-elapsed() { local s=$((SECONDS - $1)); printf '%dm%02ds' $((s / 60)) $((s % 60)); }
 progress() {  # runs in the background while the compiler runs; reads the log
     set +e +o pipefail  # a log without a percentage yet must not end the loop
     local t0=$1 pct last=-1 tty=0
@@ -284,7 +363,7 @@ printf '%s\n' "${changed[@]}" | sed '/^$/d' | sort -u > "$touched"
 
 mkdir -p "$out_dir"
 cp "$build/bin/llama-server" "$binary.tmp" && mv "$binary.tmp" "$binary"
-{ echo "source: $src_id"; echo "variant: $variant stock=$stock"; printf 'patch: %s\n' "${series_files[@]##*/}"; } > "$out_dir/BUILD-INFO"
+{ echo "source: $src_id"; echo "variant: $variant stock=$stock"; echo "web UI: $ui_info"; printf 'patch: %s\n' "${series_files[@]##*/}"; } > "$out_dir/BUILD-INFO"
 cp "$log" "$out_dir/build.log"
 say "done: $binary"
 echo "$binary"

@@ -56,6 +56,21 @@ __all__ = ["RequestPlan", "apply_priority", "check_request", "read_body", "upstr
 
 # Routes answered without --api-key, like llama-server's own public endpoints.
 PUBLIC_ROUTES = frozenset({b"/health", b"/v1/health"})
+# llama-server's web UI: the page and its static files (the bundle under /_app/, icons, the
+# manifest, the service worker) load without the key, as llama-server serves them with its own
+# --api-key; the page then asks for the key (its key prompt) and sends it with every API call.
+# A file name with an extension, no `..` and no %-escape: never one of llama-server's API routes.
+_UI_ASSET = re.compile(rb"/(?:index\.html)?|/_app/[A-Za-z0-9_.-]+(?:/[A-Za-z0-9_.-]+)*"
+                       rb"|/[A-Za-z0-9_-][A-Za-z0-9_.-]*\.(?:js|css|html|json|png|svg|ico|webmanifest)")
+
+
+def public_route(method: bytes, target: bytes) -> bool:
+    """Whether a request needs no API key: /health, or a GET/HEAD of the web UI's files."""
+    path = target.split(b"?", 1)[0]
+    if path in PUBLIC_ROUTES:
+        return True
+    return (method in (b"GET", b"HEAD") and b".." not in path
+            and _UI_ASSET.fullmatch(path) is not None)  # fmt: skip
 _STREAM_TRUE = re.compile(rb'"stream"\s*:\s*true')
 # Work per step of reading a request body before the task yields (see read_body):
 # h11 events of a Content-Length body, and wire bytes of a chunked one (decoded by
@@ -104,7 +119,7 @@ def check_request(request: h11.Request, config: Config) -> RequestPlan:
     given = auth[7:].strip() if auth[:7].lower() == b"bearer " else None
     given = given or get_header(raw, b"x-api-key")
     key = config.api_key
-    public = request.target.split(b"?", 1)[0] in PUBLIC_ROUTES
+    public = public_route(request.method, request.target)
     if key and not public and (given is None or not hmac.compare_digest(given, key.encode())):
         raise Unauthorized("invalid or missing API key")
     accept = get_header(raw, b"accept") or b""

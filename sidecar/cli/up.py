@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 from typing import Annotated
 
+import httpx
 import typer
 
 from sidecar.cli.build import build_binary
@@ -17,7 +18,24 @@ from sidecar.paths import cache_dir
 from sidecar.supervise import Supervisor, UpConfig, server_supports
 
 
-def _ready_banner(cfg: UpConfig, preempt: bool) -> str:
+def has_page(server_url: str) -> bool:
+    """Whether llama-server serves its web UI at / (a build with it, not started --no-webui)."""
+    try:
+        r = httpx.get(server_url + "/", headers={"Accept-Encoding": "gzip"}, timeout=10.0)
+    except httpx.HTTPError:
+        return False
+    return r.status_code == 200 and r.headers.get("content-type", "").startswith("text/html")
+
+
+def page_line(cfg: UpConfig, page: bool) -> str:
+    """The banner's first line after "is up": where to chat, or why there is no page."""
+    if page:
+        return f"  open {cfg.sidecar_url}/ in a browser (the chat page)"
+    return ("  no chat page: this llama-server has no web UI (built without node/npm, or "
+            "--no-webui); the API below works")  # fmt: skip
+
+
+def _ready_banner(cfg: UpConfig, preempt: bool, page: bool = False) -> str:
     model_name, template = describe_model(cfg.model, cfg.server_args)
     body = json.dumps(
         {"messages": [{"role": "user", "content": "Say hello"}], "stream": True,
@@ -38,6 +56,7 @@ def _ready_banner(cfg: UpConfig, preempt: bool) -> str:
         [
             "",
             "llama-sidecar is up",
+            page_line(cfg, page),
             f"  API (through the sidecar): {cfg.sidecar_url}/v1/chat/completions",
             f"  llama-server (direct):     {cfg.server_url}   metrics: {cfg.server_url}/metrics",
             f"  sidecar metrics:           {cfg.metrics_url}",
@@ -164,7 +183,7 @@ def up(
     sup = Supervisor(cfg, preempt=preempt)
 
     def ready() -> None:
-        typer.echo(_ready_banner(cfg, preempt))
+        typer.echo(_ready_banner(cfg, preempt, has_page(cfg.server_url)))
         sys.stdout.flush()
 
     rc = sup.run(on_ready=ready)
