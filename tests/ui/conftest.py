@@ -38,7 +38,10 @@ def _why_not() -> str | None:
     return None
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: Playwright's sync API runs an asyncio loop of its own while it is
+# open, and the anyio tests that a pytest(-xdist) process may run after these would then fail
+# with "Cannot run the event loop while another loop is running".
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     reason = _why_not()
     if reason:
