@@ -36,10 +36,13 @@ from tests.server.preempt_helpers import (
     PARK,
     PARK_LINE,
     ROTATE_NOW,
+    Completion,
+    complete,
     complete_many,
     completion_body,
     count_lines,
     metrics,
+    run_concurrently,
     slots,
     token_prompt,
     wait_for,
@@ -179,6 +182,36 @@ def test_a_park_that_fails_ends_in_the_context_error(start_server: StartServer,
         assert got.ok or got.error_message == CONTEXT_ERROR, got.error
     assert any(not got.ok for got in together), "both fit: the test needs an overflow"
     assert count_lines(srv.log_text(), NOTHING_PARKED_LINE) <= 2
+    m = wait_settled(srv.url)
+    assert m["requests_preempted"] == 0
+
+
+def test_a_text_request_beside_image_slots_that_cannot_be_parked_completes(
+    start_server: StartServer,
+) -> None:
+    """Two image prompts and a text prompt that fits the pool alone, host pool blocks failing:
+    the image slots cannot be parked (swap only, no block), the text slot can (by recompute).
+    With only the image slots' parks failing, the last resort found no victim and the stock
+    error failed every slot of the batch, the text request too (it fits alone). The text slot is
+    parked instead, whether it leads or not; it completes, and the image requests complete or
+    get the context error (they cannot be parked, and may not fit together)."""
+    text, mmproj = llava_pair()
+    srv = start_server(model=text, args=[*BASE, *PARK, "--mmproj", str(mmproj), "-c", "256",
+                                         "-np", "3"], env=FAIL_POOL)
+    # three requests, not one with three prompts: an error of one prompt ends a multi-prompt
+    # response, and the text request's own answer is what this test is about
+    prompts: list[Any] = [picture(srv.url, 10), picture(srv.url, 11), token_prompt(40, 12)]
+    def one(prompt: Any) -> Callable[[], Completion]:
+        return lambda: complete(srv.url, prompt, 160, timeout=600)
+
+    together = bounded(srv, lambda: run_concurrently([one(p) for p in prompts]),
+                       loop_marker=NOTHING_PARKED_LINE, loop_max=20)
+    *pictures, words = together
+    assert words.ok, words.error
+    assert words.n_predicted == 160
+    for got in pictures:
+        assert got.ok or got.error_message == CONTEXT_ERROR, got.error
+    assert words.preempt["parks"] >= 1, words.preempt
     m = wait_settled(srv.url)
     assert m["requests_preempted"] == 0
 
