@@ -655,12 +655,14 @@ class Watchdog:
         next_slots = 0.0
         while not self.stop.wait(0.2):
             now = time.monotonic()
+            # the mark first: what this read finds was logged after the previous one, and
+            # counts as logged after a token seen since then
+            self.marks.append((now, self.activity, self.log_offset))
             with contextlib.suppress(OSError):
                 self._read_log()
             if now >= next_slots:
                 self._read_slots()
                 next_slots = now + 0.5
-            self.marks.append((now, self.activity, self.log_offset))
             why = self.check(time.monotonic())
             if why is not None:
                 self.progress.fail(why)
