@@ -66,7 +66,6 @@ from typing import Any
 
 import anyio
 import anyio.abc
-import anyio.lowlevel
 import h11
 
 from sidecar.adapter import H11Stream
@@ -143,14 +142,9 @@ async def _check_text(body: RequestBody, request: h11.Request) -> None:
     if classify(request.method, request.target) is not RouteKind.GENERATES:
         return
     check = TextCheck()
-    step = 0
     try:
-        for piece in body.pieces():
+        async for piece in body.paced_pieces(TEXT_CHECK_STEP):
             check.feed(piece)
-            step += len(piece)
-            if step >= TEXT_CHECK_STEP:
-                step = 0
-                await anyio.lowlevel.checkpoint()
         check.finish()
     except BadText as exc:
         body.close()

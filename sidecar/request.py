@@ -272,21 +272,16 @@ def _refuse_unreachable(kind: RouteKind, request: h11.Request) -> None:
 async def _splice(body: RequestBody, priority: int, in_memory: int) -> RequestBody:
     """A copy of ``body`` with the priority spliced in; two passes in bounded steps."""
     splice = PrioritySplice()
-    step = 0
-    for piece in body.pieces():
+    async for piece in body.paced_pieces(SPLICE_STEP_BYTES):
         splice.feed(piece)
-        step += len(piece)
-        if step >= SPLICE_STEP_BYTES:
-            step = 0
-            await anyio.lowlevel.checkpoint()
     try:
         at, text = splice.finish(priority)
     except NotAnObject as exc:
         raise BadRequest(f"a priority rule is on: {exc}") from None
     out = RequestBody(in_memory)
     try:
-        offset = step = 0
-        for piece in body.pieces():
+        offset = 0
+        async for piece in body.paced_pieces(SPLICE_STEP_BYTES):
             if offset <= at < offset + len(piece):
                 cut = at - offset
                 out.append(piece[:cut])
@@ -295,10 +290,6 @@ async def _splice(body: RequestBody, priority: int, in_memory: int) -> RequestBo
             else:
                 out.append(piece)
             offset += len(piece)
-            step += len(piece)
-            if step >= SPLICE_STEP_BYTES:
-                step = 0
-                await anyio.lowlevel.checkpoint()
     except BaseException:
         out.close()
         raise
