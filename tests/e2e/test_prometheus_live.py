@@ -23,9 +23,12 @@ from tests.support.prometheus import (
 )
 from tests.support.sse_client import StreamLog, stream_sse
 
+# serial: a 1 s scrape must land inside a park; beside another worker none did (seen once in a
+# CI run: max_over_time(preempt_ram_bytes) 0 with parks counted)
 pytestmark = [
     pytest.mark.server,
     pytest.mark.slow,
+    pytest.mark.serial,
     pytest.mark.prometheus,
     pytest.mark.skipif(PROMETHEUS is None, reason="prometheus is not installed"),
 ]
