@@ -3,12 +3,14 @@
 Theory of operation
 -------------------
 :class:`Sidecar` binds the proxy listener and the metrics listener, accepts
-connections into one task group and runs one connection loop per client:
-read a request head (idle keep-alive wait, then ``header_timeout`` for the
-head: a client that sends its headers too slowly gets 408), hand it to a
-:class:`~sidecar.relay.Exchange`, and start the next cycle only when both
-sides of the h11 connection are ``DONE``.  Malformed heads are answered with
-h11's status hint (400, 431, 501) and the connection is closed.
+connections into one task group and runs one connection loop per client,
+:func:`serve_connection`: read a request head (idle keep-alive wait, then
+``header_timeout`` for the head: a client that sends its headers too slowly gets
+408), hand it to a :class:`~sidecar.relay.Exchange`, and start the next cycle only
+when both sides of the h11 connection are ``DONE``.  Malformed heads are answered
+with h11's status hint (400, 431, 501) and the connection is closed.  The loop
+needs a connected byte stream and the shared :class:`~sidecar.relay.Context`, no
+listener: the tests run it over in-memory streams.
 
 Drain (SIGTERM in the CLI, :meth:`Sidecar.drain` here): ``/ready`` answers
 503 from that moment (a balancer stops sending new work), the proxy listener
@@ -35,6 +37,11 @@ Programmatic API
     stop; ``sidecar.stop()`` stops at once, a drain under way included.
 ``await serve(config, registry=None, *, task_status=...)``
     Shorthand for ``Sidecar(config, registry).run(task_status=...)``.
+``await sidecar.serve_client(stream)``, ``await sidecar.serve_metrics_client(stream)``
+    One proxy or metrics connection that did not come through a listener, with the
+    listener's guard (an error ends that connection only); the stream is closed at the end.
+``await serve_connection(ctx, stream, idle=None, started=None)``
+    The bare proxy loop over one stream (the caller closes it).
 
 Test helpers (a config on free ports, a sidecar in a thread or a child process) live in
 ``tests/support/sidecar.py``.
@@ -70,7 +77,7 @@ from sidecar.relay import Context, Exchange
 from sidecar.transport import TransportStream, accepted
 from sidecar.upstream import UpstreamPool
 
-__all__ = ["Sidecar", "serve"]
+__all__ = ["Sidecar", "read_head", "serve", "serve_connection"]
 
 log = logging.getLogger("sidecar")
 access_log = logging.getLogger("sidecar.access")
@@ -343,101 +350,21 @@ class Sidecar:
     # ------------------------------------------------------------ proxy side
 
     async def _handle_client(self, stream: TransportStream) -> None:
-        cfg = self.config
-        client = H11Stream(stream, h11.SERVER, max_incomplete_event_size=cfg.max_header_bytes)
-        try:
-            peer = str(stream.extra(SocketAttribute.remote_address)[0])
-        except (anyio.TypedAttributeLookupError, IndexError, TypeError):
-            peer = None
-        try:
-            first = True
-            while not self.ctx.draining:
-                request = await self._read_head(client, first)
-                if request is None:
-                    break
-                try:
-                    keep = await Exchange(self.ctx, client, request, peer).run()
-                except Exception:
-                    # A bug in one exchange must not take the other streams down.
-                    log.exception("internal error relaying %r", request.target)
-                    await answer_error(client, 500, "internal sidecar error")
-                    break
-                if not keep or not client.reusable:
-                    break
-                client.start_next_cycle()
-                first = False
-        finally:
-            await client.aclose()
+        await serve_connection(self.ctx, stream, idle=self._idle_scopes)
 
-    async def _read_head(
-        self, client: H11Stream, first: bool, *, record: bool = True
-    ) -> h11.Request | None:
-        """The next request head, or None when the connection is to end.
+    async def serve_client(self, stream: TransportStream) -> None:
+        """Serve one proxy connection that did not come through the listener.
 
-        Waits ``header_timeout`` for the first byte of a new connection and
-        ``keepalive_timeout`` on a kept-alive one, then ``header_timeout`` for
-        the whole head; malformed, oversized and late heads are answered here
-        (``record``: counted and logged as proxy requests).
+        The connection loop of the listener's connections runs on ``stream`` (any
+        connected :class:`~sidecar.transport.TransportStream`, a test's in-memory one
+        included), with their guard: an error in it ends this connection only.  The
+        sidecar's state (metrics, upstream pool, drain) is shared with the listener's.
         """
-        cfg = self.config
-        scope = anyio.CancelScope()
-        if record:
-            # a drain closes idle proxy connections; the metrics listener's stay, so a
-            # balancer's kept-alive health check reads /ready's 503 rather than a reset
-            self._idle_scopes.add(scope)
-        try:
-            with scope:
-                wait = cfg.header_timeout if first else cfg.keepalive_timeout
-                with anyio.move_on_after(wait):
-                    if not await client.wait_first_byte():
-                        return None
-            if scope.cancel_called or (
-                client.bytes_in_cycle == 0 and not client.has_buffered_data()
-            ):
-                return None  # idle timeout, or draining: close quietly
-        finally:
-            self._idle_scopes.discard(scope)
-        status: int
-        try:
-            # fail_after outside client_side: TimeoutError is an OSError, which
-            # client_side would read as a disconnect.
-            with anyio.fail_after(cfg.header_timeout), client_side(client):
-                event = await client.next_event()
-        except TimeoutError:
-            status, message, outcome = (
-                408,
-                "request headers not received in time",
-                "request_timeout",
-            )
-        except ClientDisconnected:
-            return None
-        except ClientError as exc:
-            status, message, outcome = exc.status_hint, str(exc), exc.kind
-        else:
-            if not isinstance(event, h11.Request):
-                return None  # ConnectionClosed
-            # h11 only limits *incomplete* heads; a whole one that arrived in a
-            # single read is measured here (bytes consumed so far = the head).
-            head_size = client.bytes_in_cycle - len(client.conn.trailing_data[0])
-            if head_size > cfg.max_header_bytes:
-                status, message, outcome = (
-                    431, "request header fields too large", "headers_too_large",
-                )  # fmt: skip
-            elif event.http_version == b"1.0" and _has_te(event):
-                # RFC 9112 section 6.1: Transfer-Encoding in an HTTP/1.0 message means
-                # faulty framing (a smuggling vector): refused, as nginx does.
-                status, message, outcome = (
-                    400, "Transfer-Encoding in an HTTP/1.0 request", "bad_request",
-                )  # fmt: skip
-            else:
-                return event
+        await self._serve_connection(self._handle_client, stream)
 
-        await answer_error(client, status, message)
-        if record:
-            self.metrics.requests.labels("other", status_class(status)).inc()
-            rec = AccessRecord("-", "-", status=status, outcome=outcome)
-            access_log.info(rec.line())
-        return None
+    async def serve_metrics_client(self, stream: TransportStream) -> None:
+        """Serve one metrics connection that did not come through the listener."""
+        await self._serve_connection(self._handle_metrics, stream)
 
     # ---------------------------------------------------------- metrics side
 
@@ -461,7 +388,7 @@ class Sidecar:
         try:
             first = True
             while True:
-                request = await self._read_head(client, first, record=False)
+                request = await read_head(client, self.config, first)
                 if request is None:
                     return
                 if request.method not in (b"GET", b"HEAD"):
@@ -526,6 +453,131 @@ class Sidecar:
             if request.method != b"HEAD":
                 await client.send_data(body)
             await client.send(h11.EndOfMessage())
+
+
+# ------------------------------------------------------------ connection loop
+
+
+async def serve_connection(
+    ctx: Context,
+    stream: TransportStream,
+    *,
+    idle: set[anyio.CancelScope] | None = None,
+    started: Callable[[Exchange], None] | None = None,
+) -> None:
+    """The proxy side of one client connection, over any connected byte stream.
+
+    Read a head, run an :class:`~sidecar.relay.Exchange`, start the next cycle when both
+    sides of the h11 connection are ``DONE``; end when the client leaves, a head is
+    refused, an exchange ends the connection, or ``ctx`` is draining.  ``idle`` collects
+    the cancel scope of the wait for a head (a drain cancels them: idle connections
+    close); ``started`` sees each exchange before it runs.  The client address for
+    ``X-Forwarded-For`` is the stream's remote address.  The stream is the caller's to
+    close.
+    """
+    cfg = ctx.config
+    client = H11Stream(stream, h11.SERVER, max_incomplete_event_size=cfg.max_header_bytes)
+    try:
+        peer = str(stream.extra(SocketAttribute.remote_address)[0])
+    except (anyio.TypedAttributeLookupError, IndexError, TypeError):
+        peer = None
+    try:
+        first = True
+        while not ctx.draining:
+            request = await read_head(client, cfg, first, idle=idle, metrics=ctx.metrics)
+            if request is None:
+                break
+            exchange = Exchange(ctx, client, request, peer)
+            if started is not None:
+                started(exchange)
+            try:
+                keep = await exchange.run()
+            except Exception:
+                # A bug in one exchange must not take the other streams down.
+                log.exception("internal error relaying %r", request.target)
+                await answer_error(client, 500, "internal sidecar error")
+                break
+            if not keep or not client.reusable:
+                break
+            client.start_next_cycle()
+            first = False
+    finally:
+        await client.aclose()
+
+
+async def read_head(
+    client: H11Stream,
+    cfg: Config,
+    first: bool,
+    *,
+    idle: set[anyio.CancelScope] | None = None,
+    metrics: Metrics | None = None,
+) -> h11.Request | None:
+    """The next request head, or None when the connection is to end.
+
+    Waits ``header_timeout`` for the first byte of a new connection and
+    ``keepalive_timeout`` on a kept-alive one, then ``header_timeout`` for
+    the whole head; malformed, oversized and late heads are answered here
+    (counted in ``metrics`` and logged when it is given: proxy requests).  The wait for
+    the first byte runs in a cancel scope kept in ``idle`` while it lasts.
+    """
+    scope = anyio.CancelScope()
+    if idle is not None:
+        # a drain closes idle proxy connections; the metrics listener's stay, so a
+        # balancer's kept-alive health check reads /ready's 503 rather than a reset
+        idle.add(scope)
+    try:
+        with scope:
+            wait = cfg.header_timeout if first else cfg.keepalive_timeout
+            with anyio.move_on_after(wait):
+                if not await client.wait_first_byte():
+                    return None
+        if scope.cancel_called or (client.bytes_in_cycle == 0 and not client.has_buffered_data()):
+            return None  # idle timeout, or draining: close quietly
+    finally:
+        if idle is not None:
+            idle.discard(scope)
+    status: int
+    try:
+        # fail_after outside client_side: TimeoutError is an OSError, which
+        # client_side would read as a disconnect.
+        with anyio.fail_after(cfg.header_timeout), client_side(client):
+            event = await client.next_event()
+    except TimeoutError:
+        status, message, outcome = (
+            408,
+            "request headers not received in time",
+            "request_timeout",
+        )
+    except ClientDisconnected:
+        return None
+    except ClientError as exc:
+        status, message, outcome = exc.status_hint, str(exc), exc.kind
+    else:
+        if not isinstance(event, h11.Request):
+            return None  # ConnectionClosed
+        # h11 only limits *incomplete* heads; a whole one that arrived in a
+        # single read is measured here (bytes consumed so far = the head).
+        head_size = client.bytes_in_cycle - len(client.conn.trailing_data[0])
+        if head_size > cfg.max_header_bytes:
+            status, message, outcome = (
+                431, "request header fields too large", "headers_too_large",
+            )  # fmt: skip
+        elif event.http_version == b"1.0" and _has_te(event):
+            # RFC 9112 section 6.1: Transfer-Encoding in an HTTP/1.0 message means
+            # faulty framing (a smuggling vector): refused, as nginx does.
+            status, message, outcome = (
+                400, "Transfer-Encoding in an HTTP/1.0 request", "bad_request",
+            )  # fmt: skip
+        else:
+            return event
+
+    await answer_error(client, status, message)
+    if metrics is not None:
+        metrics.requests.labels("other", status_class(status)).inc()
+        rec = AccessRecord("-", "-", status=status, outcome=outcome)
+        access_log.info(rec.line())
+    return None
 
 
 def _bound(listener: anyio.abc.Listener[anyio.abc.SocketStream]) -> tuple[str, int]:

@@ -3,9 +3,8 @@
 :class:`Harness` owns a sidecar's shared state (:class:`~sidecar.relay.Context`
 with a fresh metrics registry and an :class:`~sidecar.upstream.UpstreamPool`
 whose ``connect`` makes :func:`~tests.protocol.memory.memory_pair` connections),
-runs the connection loop for one client connection (read a head, run an
-:class:`~sidecar.relay.Exchange`, start the next cycle when both sides are
-done), and hands each upstream connection the sidecar opens to the test's
+runs the sidecar's connection loop (:func:`~sidecar.server.serve_connection`) for one
+client connection, and hands each upstream connection the sidecar opens to the test's
 script as an :class:`UpstreamEnd`.  No socket is opened anywhere.
 """
 
@@ -20,10 +19,10 @@ import anyio.abc
 import h11
 from prometheus_client import CollectorRegistry
 
-from sidecar.adapter import H11Stream
 from sidecar.config import Config
 from sidecar.metrics import Metrics
 from sidecar.relay import Context, Exchange
+from sidecar.server import serve_connection
 from sidecar.transport import TransportStream
 from sidecar.upstream import UpstreamPool
 from tests.protocol.memory import memory_pair
@@ -145,26 +144,17 @@ class Harness:
         return ours
 
     async def _serve(self, stream: TransportStream) -> None:
-        client = H11Stream(stream, h11.SERVER)
         try:
-            while True:
-                event = await client.next_event()
-                if not isinstance(event, h11.Request):
-                    return
-                exchange = Exchange(self.ctx, client, event, PEER)
-                self.exchanges.append(exchange)
-                if not await exchange.run() or not client.reusable:
-                    return
-                client.start_next_cycle()
+            await serve_connection(self.ctx, stream, started=self.exchanges.append)
         finally:
-            await client.aclose()
+            await stream.aclose()
 
     @asynccontextmanager
     async def client(self) -> AsyncIterator[ClientEnd]:
         """A client connection served by the connection loop until it ends."""
         async with anyio.create_task_group() as tg:
             self._tg = tg
-            ours, theirs = memory_pair()
+            ours, theirs = memory_pair((PEER, 40000))
             tg.start_soon(self._serve, theirs)
             end = ClientEnd(ours)
             try:

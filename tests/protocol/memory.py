@@ -19,8 +19,14 @@ from sidecar.transport import TransportStream
 
 
 class MemoryTransport(asyncio.Transport):
-    def __init__(self, loop: asyncio.AbstractEventLoop, protocol: asyncio.Protocol) -> None:
+    def __init__(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        protocol: asyncio.Protocol,
+        sockname: tuple[str, int],
+    ) -> None:
         super().__init__()
+        self.sockname = sockname
         self._loop = loop
         self._protocol = protocol
         self.peer: MemoryTransport | None = None
@@ -104,16 +110,23 @@ class MemoryTransport(asyncio.Transport):
         return self._closing
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return {"peername": ("192.0.2.7", 40000), "sockname": ("192.0.2.1", 8081)}.get(
-            name, default
-        )
+        peer = self.peer
+        names = {"sockname": self.sockname, "peername": None if peer is None else peer.sockname}
+        return names.get(name, default)
 
 
-def memory_pair() -> tuple[TransportStream, TransportStream]:
-    """Two connected TransportStreams (call from a running loop)."""
+def memory_pair(
+    a_address: tuple[str, int] = ("192.0.2.7", 40000),
+    b_address: tuple[str, int] = ("192.0.2.1", 8081),
+) -> tuple[TransportStream, TransportStream]:
+    """Two connected TransportStreams (call from a running loop).
+
+    Each end's own address is ``a_address`` and ``b_address``; the other end reads it as
+    its remote address (the sidecar takes ``X-Forwarded-For`` from it).
+    """
     loop = asyncio.get_running_loop()
     a, b = TransportStream(), TransportStream()
-    ta, tb = MemoryTransport(loop, a), MemoryTransport(loop, b)
+    ta, tb = MemoryTransport(loop, a, a_address), MemoryTransport(loop, b, b_address)
     ta.peer, tb.peer = tb, ta
     a.connection_made(ta)
     b.connection_made(tb)
