@@ -8,6 +8,6 @@ behaviour it pins down and sends exact bytes, like nginx-tests and HAProxy's reg
 
 from __future__ import annotations
 
-from tests.support.fixtures import anyio_backend, fake, sidecar, sidecar_factory
+from tests.support.fixtures import anyio_backend, fake, net, sidecar, sidecar_factory
 
-__all__ = ["anyio_backend", "fake", "sidecar", "sidecar_factory"]
+__all__ = ["anyio_backend", "fake", "net", "sidecar", "sidecar_factory"]

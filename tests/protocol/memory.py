@@ -4,10 +4,10 @@
 with two :class:`MemoryTransport` objects: what one end writes reaches the other
 end's ``data_received`` on the next loop iteration (``call_soon``, as a real
 transport would deliver it, never inside the writer's call), in order.  Pausing
-reading holds incoming bytes until reading resumes; closing one end gives the
-other end EOF.  The sidecar's code runs unchanged on top: the adapter, the
-upstream pool (given a ``connect`` that returns such a stream), the body sink,
-the relay and its keepalive timer.
+reading holds incoming bytes (and whatever arrives behind them) until reading
+resumes; closing one end gives the other end EOF.  The sidecar's code runs
+unchanged on top: the adapter, the upstream pool (given a ``connect`` that returns
+such a stream), the body sink, the relay and its keepalive timer.
 """
 
 from __future__ import annotations
@@ -65,7 +65,8 @@ class MemoryTransport(asyncio.Transport):
     def _arrive(self, data: bytes) -> None:
         if self._closing:
             return
-        if self._paused:
+        if self._paused or self._held:
+            # behind bytes held back: delivered in order by _flush
             self._held.append(data)
             return
         self._protocol.data_received(data)
@@ -73,22 +74,25 @@ class MemoryTransport(asyncio.Transport):
     def _arrive_eof(self) -> None:
         if self._closing:
             return
-        if self._paused:
+        if self._paused or self._held:
             self._eof_held = True
             return
         self._protocol.eof_received()
+
+    def _flush(self) -> None:
+        while self._held and not self._paused and not self._closing:
+            self._protocol.data_received(self._held.pop(0))
+        if self._eof_held and not self._held and not self._paused and not self._closing:
+            self._eof_held = False
+            self._protocol.eof_received()
 
     def pause_reading(self) -> None:
         self._paused = True
 
     def resume_reading(self) -> None:
         self._paused = False
-        held, self._held = self._held, []
-        for data in held:
-            self._loop.call_soon(self._arrive, data)
-        if self._eof_held:
-            self._eof_held = False
-            self._loop.call_soon(self._arrive_eof)
+        if self._held or self._eof_held:
+            self._loop.call_soon(self._flush)
 
     def is_reading(self) -> bool:
         return not self._paused

@@ -3,6 +3,6 @@
 
 from __future__ import annotations
 
-from tests.support.fixtures import anyio_backend, fake, sidecar, sidecar_factory
+from tests.support.fixtures import anyio_backend, fake, net, sidecar, sidecar_factory
 
-__all__ = ["anyio_backend", "fake", "sidecar", "sidecar_factory"]
+__all__ = ["anyio_backend", "fake", "net", "sidecar", "sidecar_factory"]

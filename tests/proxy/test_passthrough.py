@@ -13,9 +13,10 @@ import pytest
 from sidecar.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream, chunk, sse_head
 from tests.support.fixtures import SidecarFactory
+from tests.support.memnet import http_client
 from tests.support.rawclient import RawConn, status_of
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.in_memory]
 
 
 async def test_json_passthrough_byte_identical(fake: FakeUpstream, sidecar: Sidecar) -> None:
@@ -29,7 +30,7 @@ async def test_json_passthrough_byte_identical(fake: FakeUpstream, sidecar: Side
             ("end",),
         ],
     )  # fmt: skip
-    async with httpx.AsyncClient() as c:
+    async with http_client() as c:
         r = await c.get(sidecar.url + "/props")
     assert r.status_code == 200
     assert r.content == body
@@ -39,7 +40,7 @@ async def test_json_passthrough_byte_identical(fake: FakeUpstream, sidecar: Side
 
 
 async def test_request_headers_forwarded(fake: FakeUpstream, sidecar: Sidecar) -> None:
-    async with httpx.AsyncClient() as c:
+    async with http_client() as c:
         r = await c.post(
             sidecar.url + "/echo?x=1",
             content=b"abc",
@@ -60,7 +61,7 @@ async def test_request_headers_forwarded(fake: FakeUpstream, sidecar: Sidecar) -
 
 async def test_large_bodies_both_ways(fake: FakeUpstream, sidecar: Sidecar) -> None:
     body = os.urandom(8 * 1024 * 1024)
-    async with httpx.AsyncClient(timeout=30) as c:
+    async with http_client(timeout=30) as c:
         r = await c.post(sidecar.url + "/echo", content=body)
     assert r.status_code == 200
     assert len(r.content) == len(body)
@@ -72,7 +73,7 @@ async def test_large_streamed_response(fake: FakeUpstream, sidecar: Sidecar) -> 
     part = os.urandom(64 * 1024)
     fake.route("/big", [("head", 200, [(b"Content-Type", b"application/octet-stream")]),
                         *[("send", part)] * 128, ("end",)])  # fmt: skip
-    async with httpx.AsyncClient(timeout=30) as c:
+    async with http_client(timeout=30) as c:
         r = await c.get(sidecar.url + "/big")
     assert r.content == part * 128
     assert r.headers["transfer-encoding"] == "chunked"
@@ -84,7 +85,7 @@ async def test_chunked_upload(fake: FakeUpstream, sidecar: Sidecar) -> None:
             yield f"piece{i};".encode()
             await anyio.lowlevel.checkpoint()
 
-    async with httpx.AsyncClient() as c:
+    async with http_client() as c:
         r = await c.post(sidecar.url + "/echo", content=gen())
     expected = b"".join(f"piece{i};".encode() for i in range(50))
     assert r.content == expected
@@ -162,7 +163,7 @@ async def test_head_request(fake: FakeUpstream, sidecar: Sidecar, method: str) -
     fake.route("/health", [("head", 200, [(b"Content-Type", b"application/json"),
                                           (b"Content-Length", str(len(body)).encode())]),
                            ("send", body if method == "GET" else b""), ("end",)])  # fmt: skip
-    async with httpx.AsyncClient() as c:
+    async with http_client() as c:
         r = await c.request(method, sidecar.url + "/health")
         r2 = await c.get(sidecar.url + "/echo")  # connection still usable afterwards
     assert r.status_code == 200
@@ -192,7 +193,7 @@ async def test_connect_refused_gives_502_json(sidecar_factory: SidecarFactory) -
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    async with sidecar_factory(f"http://127.0.0.1:{port}") as sc, httpx.AsyncClient() as c:
+    async with sidecar_factory(f"http://127.0.0.1:{port}") as sc, http_client() as c:
         r = await c.post(sc.url + "/v1/chat/completions", json={"stream": True})
     assert r.status_code == 502
     assert r.headers["content-type"].startswith("application/json")
@@ -207,7 +208,7 @@ async def test_upstream_dies_mid_stream(fake: FakeUpstream, sidecar: Sidecar) ->
                        *[("send", chunk(i)) for i in range(5, 10)], ("end",)])  # fmt: skip
 
     async def good() -> bytes:
-        async with httpx.AsyncClient() as c:
+        async with http_client() as c:
             r = await c.get(sidecar.url + "/ok")
             return r.content
 
@@ -218,13 +219,13 @@ async def test_upstream_dies_mid_stream(fake: FakeUpstream, sidecar: Sidecar) ->
             results.append(await good())
 
         tg.start_soon(run_good)
-        async with httpx.AsyncClient() as c, c.stream("GET", sidecar.url + "/die") as r:
+        async with http_client() as c, c.stream("GET", sidecar.url + "/die") as r:
             assert r.status_code == 200
             with pytest.raises(httpx.RemoteProtocolError):
                 await r.aread()
     assert results == [b"".join(chunk(i) for i in range(10))]
     # the sidecar still serves
-    async with httpx.AsyncClient() as c:
+    async with http_client() as c:
         assert (await c.get(sidecar.url + "/echo")).status_code == 200
 
 
@@ -298,7 +299,7 @@ async def test_idle_connection_closed_quietly(
 
 
 async def test_api_key(fake: FakeUpstream, sidecar_factory: SidecarFactory) -> None:
-    async with sidecar_factory(fake.url, api_key="s3cret") as sc, httpx.AsyncClient() as c:
+    async with sidecar_factory(fake.url, api_key="s3cret") as sc, http_client() as c:
         r = await c.post(sc.url + "/echo", content=b"x")
         assert r.status_code == 401
         assert r.json()["error"]["type"] == "authentication_error"
@@ -322,7 +323,7 @@ async def test_pooled_upstream_adds_no_headers(
     """Bodies of every framing on reused upstream connections; nothing added to the head."""
     fake.route("/s", [sse_head(), ("send", chunk(0)), ("send", b": preempted\n\n"),
                       ("send", b": resumed\n\n"), ("send", chunk(1)), ("end",)])  # fmt: skip
-    async with sidecar_factory(fake.url) as sc, httpx.AsyncClient() as c:
+    async with sidecar_factory(fake.url) as sc, http_client() as c:
         r = await c.post(sc.url + "/echo", content=b"abc")
         assert r.content == b"abc"
         r = await c.get(sc.url + "/s")

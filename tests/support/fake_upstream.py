@@ -55,12 +55,15 @@ from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.abc
 import h11
 from anyio.from_thread import start_blocking_portal
+
+if TYPE_CHECKING:
+    from tests.support.memnet import MemoryNet
 
 Step = tuple[Any, ...]
 Script = list[Step]
@@ -133,7 +136,7 @@ class ConnRecord:
             self.closed.set()
 
 
-async def _receive(stream: anyio.abc.SocketStream) -> bytes:
+async def _receive(stream: anyio.abc.ByteStream) -> bytes:
     """The next bytes from the peer; b"" once it closed or the connection broke."""
     try:
         return await stream.receive()
@@ -143,9 +146,12 @@ async def _receive(stream: anyio.abc.SocketStream) -> bytes:
 
 
 class FakeUpstream:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, host: str = "127.0.0.1", port: int = 0, *, net: MemoryNet | None = None
+    ) -> None:
         self.host = host
         self.port = port
+        self.net = net  # listen there (in memory) rather than on a socket
         self.routes: dict[bytes, Script | Handler] = {}
         self.fallback: Handler | None = None
         self.conns: list[ConnRecord] = []
@@ -165,12 +171,16 @@ class FakeUpstream:
         return [r for c in self.conns for r in c.requests]
 
     async def __aenter__(self) -> FakeUpstream:
+        self._tg = anyio.create_task_group()
+        await self._tg.__aenter__()
+        if self.net is not None:
+            self._listener = None
+            self.host, self.port = self.net.listen("upstream.test", self._handle)
+            return self
         self._listener = await anyio.create_tcp_listener(
             local_host=self.host, local_port=self.port, backlog=4096
         )
         self.port = self._listener.extra(anyio.abc.SocketAttribute.local_port)
-        self._tg = anyio.create_task_group()
-        await self._tg.__aenter__()
         self._tg.start_soon(self._listener.serve, self._handle)
         return self
 
@@ -180,10 +190,11 @@ class FakeUpstream:
         try:
             await self._tg.__aexit__(None, None, None)
         finally:
-            with anyio.CancelScope(shield=True):
-                await self._listener.aclose()
+            if self._listener is not None:
+                with anyio.CancelScope(shield=True):
+                    await self._listener.aclose()
 
-    async def _handle(self, stream: anyio.abc.SocketStream) -> None:
+    async def _handle(self, stream: anyio.abc.ByteStream) -> None:
         rec = ConnRecord(time.monotonic())
         self.conns.append(rec)
         conn = h11.Connection(h11.SERVER)
@@ -234,7 +245,7 @@ class FakeUpstream:
         self,
         script: Script,
         req: RequestRecord,
-        stream: anyio.abc.SocketStream,
+        stream: anyio.abc.ByteStream,
         conn: h11.Connection,
         rec: ConnRecord,
     ) -> bool:
@@ -263,7 +274,7 @@ class FakeUpstream:
         self,
         script: Script,
         req: RequestRecord,
-        stream: anyio.abc.SocketStream,
+        stream: anyio.abc.ByteStream,
         conn: h11.Connection,
     ) -> bool:
         """Run the steps; True if the script killed the connection ("die")."""
@@ -304,9 +315,7 @@ class FakeUpstream:
 
 
 class _Reader:
-    def __init__(
-        self, stream: anyio.abc.SocketStream, conn: h11.Connection, rec: ConnRecord
-    ) -> None:
+    def __init__(self, stream: anyio.abc.ByteStream, conn: h11.Connection, rec: ConnRecord) -> None:
         self.stream = stream
         self.conn = conn
         self.rec = rec

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from urllib.parse import urlsplit
 
 import anyio
 import anyio.abc
 
+from tests.support.memnet import open_stream
+
 
 class RawConn:
-    def __init__(self, stream: anyio.abc.SocketStream) -> None:
+    def __init__(self, stream: anyio.abc.ByteStream) -> None:
         self.stream = stream
         self.buf = b""
         self.eof = False
@@ -24,10 +25,8 @@ class RawConn:
 
     @classmethod
     async def open(cls, url: str) -> RawConn:
-        parts = urlsplit(url)
-        assert parts.hostname
-        assert parts.port
-        return cls(await anyio.connect_tcp(parts.hostname, parts.port))
+        """A connection to ``url``: in memory if the test's net serves it, else TCP."""
+        return cls(await open_stream(url))
 
     async def send(self, data: bytes) -> None:
         await self.stream.send(data)
