@@ -247,6 +247,37 @@ def test_a_low_priority_family_is_parked_before_a_high_priority_request(
     assert m["n_preempt_priority_high_total"] == 0, m
 
 
+def test_a_family_restored_member_by_member_is_parked_member_by_member(
+    start_server: StartServer, slow_model: Path,
+) -> None:
+    """A (priority 5) generates alone; an n_cmpl 3 family of priority 0 with a 100-token prompt
+    arrives when A holds 308 cells. The family fits the 512-cell pool alone with its prompt
+    shared (100 + 3 x 120 cells), not with it copied (3 x 220). It is parked whole while A
+    grows, and comes back member by member when A ends, each member restored with its own copy
+    of the prompt: the three outgrew the pool, no member could be parked (a family is parked
+    only whole, and its members were the only slots), and all three got the context error
+    (mixed fuzz seed 976). A restored member now holds its own cells and is parked on its own:
+    the members take turns and every result completes."""
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "512", "-np", "4"])
+    ta: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: ta.update(res=streamed(srv.url, body(token_prompt(8, 3), 480, priority=5))),
+        daemon=True)
+    thread.start()
+    wait_for(lambda: generating(srv.url, 300), what="A holding 308 cells", timeout=240)
+    fam = bounded(srv, lambda: streamed(srv.url, body(token_prompt(100, 4), 120, n_cmpl=3,
+                                                       priority=0)), loop_marker=PARK_LINE)
+    thread.join(300)
+    assert_complete(ta["res"], 1, [8], 480, multi_prompt=False)
+    fam_finals = assert_complete(fam, 3, [100], 120, multi_prompt=False, family=True)
+    # parked whole once, then at least one member again on its own
+    parks = sorted(f["preempt"]["parks"] for f in fam_finals.values())
+    assert parks[0] >= 1 and parks[-1] >= 2, parks
+    m = wait_settled(srv.url)
+    assert m["n_resume_total"] == m["n_preempt_total"]
+    assert m["requests_preempted"] == 0
+
+
 # no recompute after a context shift ----------------------------------------------------------
 
 
