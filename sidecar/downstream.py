@@ -1,7 +1,22 @@
-"""The client's side of an exchange: failure translation, error answers, the access record.
+"""The client's side of an exchange: its state, the writer of its response, the access record.
 
 Theory of operation
 -------------------
+* :class:`State` is where an exchange is, one value for the whole of it (as h11
+  keeps ``our_state``); :class:`Downstream` holds it and is the one writer of the
+  response.  Each write unit (a head, the early-open head, a body piece, a
+  keepalive comment, the end, an error event with the end, an error answer) is
+  one method that checks the state, writes with no ``await`` inside, and moves
+  the state; a unit the state does not allow raises :class:`StateError` before a
+  byte is written.  The moves that are no write (the request forwarded,
+  upstream's answer) are methods too, so no other code sets the state::
+
+      REQUEST --forwarded--> QUEUED --early_head--> EARLY
+      QUEUED --answered--> ANSWERED --head--> RESPONSE --end--> DONE
+      EARLY --answered--> RESPONSE (our head stands for upstream's)
+      EARLY, RESPONSE --error_event--> DONE
+      REQUEST, QUEUED, ANSWERED --answer_error--> DONE
+
 * :func:`client_side` translates what talking to the client may raise (h11,
   anyio and socket errors) into :mod:`sidecar.errors` classes; a message the
   client cut short is a disconnect, not a bad request.
@@ -14,6 +29,7 @@ Theory of operation
 
 from __future__ import annotations
 
+import enum
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -27,8 +43,18 @@ import h11
 from sidecar.adapter import H11Stream
 from sidecar.errors import IO_ERRORS, BadRequest, ClientDisconnected, ClientError, map_exceptions
 from sidecar.headers import Headers
+from sidecar.stream import Phase
 
-__all__ = ["AccessRecord", "answer_error", "client_side", "error_body", "reason"]
+__all__ = [
+    "AccessRecord",
+    "Downstream",
+    "State",
+    "StateError",
+    "answer_error",
+    "client_side",
+    "error_body",
+    "reason",
+]
 
 _CLIENT_MAP = {
     h11.RemoteProtocolError: ClientError,
@@ -99,6 +125,130 @@ async def answer_error(
     except IO_ERRORS:
         return False
     return True
+
+
+class State(enum.Enum):
+    """Where an exchange is."""
+
+    REQUEST = "request"  # reading and checking the request
+    QUEUED = "queued"  # forwarded; upstream has not answered, nothing sent downstream
+    EARLY = "early"  # our early-open head is out; upstream has not answered
+    ANSWERED = "answered"  # upstream answered (a head or a failure); nothing sent yet
+    RESPONSE = "response"  # upstream answered and a head is out: body pieces, keepalives
+    DONE = "done"  # the end of the message is out
+
+
+class StateError(RuntimeError):
+    """A write unit or a move that the exchange's state does not allow (a bug, not input)."""
+
+
+# Before upstream answers, the state is the phase; after, the monitor's bytes tell it.
+_PHASE = {State.REQUEST: Phase.REQUEST, State.QUEUED: Phase.QUEUED, State.EARLY: Phase.QUEUED}
+_RESPONSE = State.RESPONSE  # the body piece's check, without an attribute lookup
+
+
+class Downstream:
+    """The state of one exchange and the one writer of its response to the client."""
+
+    __slots__ = ("client", "state")
+
+    def __init__(self, client: H11Stream) -> None:
+        self.client = client
+        self.state = State.REQUEST
+
+    def _require(self, *states: State, unit: str) -> None:
+        if self.state not in states:
+            raise StateError(f"{unit} in exchange state {self.state.value}")
+
+    @property
+    def head_sent(self) -> bool:
+        """A head is out: an error can no longer be answered with a response of its own."""
+        return self.state in (State.EARLY, State.RESPONSE, State.DONE)
+
+    @property
+    def open(self) -> bool:
+        """A response is out and not ended: keepalives may be written."""
+        return self.state is State.EARLY or self.state is State.RESPONSE
+
+    def phase(self, body: Phase) -> Phase:
+        """The exchange's phase; ``body`` is the monitor's, once upstream answered."""
+        return _PHASE.get(self.state, body)
+
+    # ----------------------------------------------------- moves, no write
+
+    def forwarded(self) -> None:
+        """The request goes upstream."""
+        self._require(State.REQUEST, unit="forwarding")
+        self.state = State.QUEUED
+
+    def answered(self) -> None:
+        """Upstream answered (a head, or a failure instead of one)."""
+        self._require(State.QUEUED, State.EARLY, unit="an answer")
+        self.state = State.RESPONSE if self.state is State.EARLY else State.ANSWERED
+
+    # --------------------------------------------------------- write units
+
+    def head(self, response: h11.Response) -> None:
+        """Upstream's head, as the client gets it."""
+        self._require(State.ANSWERED, unit="a head")
+        with client_side(self.client):
+            self.client.write_event(response)
+        self.state = State.RESPONSE
+
+    def early_head(self, response: h11.Response) -> None:
+        """Our own event-stream head, before upstream answered."""
+        self._require(State.QUEUED, unit="an early head")
+        with client_side(self.client):
+            self.client.write_event(response)
+        self.state = State.EARLY
+
+    def piece(self, data: bytes, wire: bytes | None) -> bool:
+        """One relayed piece of the body; True when the client is backed up (drain then)."""
+        if self.state is not _RESPONSE:
+            self._require(State.RESPONSE, unit="a body piece")
+        client = self.client
+        try:
+            client.write_data(data, wire)
+        except Exception:
+            # Translate only on the error path: a context manager per piece costs.
+            with client_side(client):
+                raise
+        return client.backed_up
+
+    def keepalive(self, payload: bytes) -> None:
+        """A keepalive comment; raises what the transport raises (the client is gone)."""
+        self._require(State.EARLY, State.RESPONSE, unit="a keepalive")
+        self.client.write_data(payload)
+
+    def end(self) -> None:
+        """The end of the message."""
+        self._require(State.RESPONSE, unit="an end")
+        with client_side(self.client):
+            self.client.write_event(h11.EndOfMessage())
+        self.state = State.DONE
+
+    def error_event(self, payload: dict[str, Any]) -> None:
+        """After an early open: upstream's failure as one ``data:`` event, and the end."""
+        self._require(State.EARLY, State.RESPONSE, unit="an error event")
+        event = b"data: " + json.dumps(payload).encode() + b"\n\n"
+        with client_side(self.client):
+            self.client.write_data(event)
+            self.client.write_event(h11.EndOfMessage())
+        self.state = State.DONE
+
+    async def answer_error(self, status: int, message: str) -> bool:
+        """A JSON error response, unless a head is out already; True if it was written."""
+        if self.head_sent:
+            return False
+        if not await answer_error(self.client, status, message):
+            return False
+        self.state = State.DONE
+        return True
+
+    async def drain(self) -> None:
+        """Wait out back-pressure (between units, never inside one)."""
+        with client_side(self.client):
+            await self.client.drain()
 
 
 @dataclass

@@ -23,16 +23,23 @@ closed at once so llama-server frees the slot) and, with
 ``--early-open-after``, the early-open timer.  Keepalive comments come from a
 ``loop.call_later`` timer per event stream, not a task.
 
+Where an exchange is, is one value: the :class:`~sidecar.downstream.State`
+of its :class:`~sidecar.downstream.Downstream`, the writer every downstream
+write goes through; the exchange calls it and reads its state, never keeps
+flags of its own.  Why an exchange ended early (the client left, a keepalive
+failed) is the error it will raise.
+
 Downstream writes: the rule
 ---------------------------
 Every downstream write is synchronous (:meth:`~sidecar.adapter.H11Stream.write_event`,
 :meth:`~sidecar.adapter.H11Stream.write_data`: the bytes reach the transport
 before the call returns) and happens on the event loop thread: in a task, in
 the upstream read callback, or in the keepalive timer.  A *unit* (a response
-head; one relayed piece of body; a keepalive comment; an error event with the
-end of the message) is written with no ``await`` inside it, and whatever
-decides a unit (the scanner's boundary state, "has the head been sent?") is
-read and updated in the same step.  Nothing else can run in between, so
+head; one relayed piece of body; a keepalive comment; the end of the message;
+an error event with the end of the message) is one method of
+:class:`~sidecar.downstream.Downstream`, written with no ``await`` inside it,
+and whatever decides a unit (the scanner's boundary state, the exchange's
+state) is read and updated in the same step.  Nothing else can run in between, so
 units never interleave and a keepalive never lands inside an event or before
 the head; no lock is needed.  ``await`` happens only between units, to wait
 out back-pressure (``drain``).
@@ -70,7 +77,7 @@ import h11
 
 from sidecar.adapter import H11Stream
 from sidecar.config import Config
-from sidecar.downstream import AccessRecord, answer_error, client_side, error_body
+from sidecar.downstream import AccessRecord, Downstream, State, error_body
 from sidecar.errors import (
     IO_ERRORS,
     BadRequest,
@@ -87,7 +94,7 @@ from sidecar.metrics import Metrics, route_label
 from sidecar.priority import PriorityRules
 from sidecar.request import RequestPlan, apply_priority, check_request, read_body, upstream_headers
 from sidecar.routes import RouteKind, classify
-from sidecar.stream import StreamMonitor
+from sidecar.stream import Phase, StreamMonitor
 from sidecar.upstream import RequestBody, UpstreamPool, UpstreamResponse
 
 __all__ = ["Context", "Exchange"]
@@ -172,17 +179,22 @@ class Exchange:
         self.monitor = StreamMonitor(
             self.clock(), cfg.park_keepalive, cfg.idle_keepalive, lead=KEEPALIVE_LEAD
         )
+        self.out = Downstream(client)
         self.plan: RequestPlan | None = None
-        self.started = False  # a response head was sent downstream
-        self.finished = False  # the end of the message was sent downstream
-        self.client_gone = False
-        self.early_opened = False
-        self.upstream_answered = False
         self._tg: anyio.abc.TaskGroup | None = None
+        # why the exchange stopped early (the client left, a keepalive failed)
         self._error: SidecarError | None = None
         self._loop = asyncio.get_running_loop()
         self._ka_timer: asyncio.TimerHandle | None = None
-        self._ka_stopped = False
+
+    @property
+    def state(self) -> State:
+        return self.out.state
+
+    @property
+    def phase(self) -> Phase:
+        """Where the exchange is, as a client disconnect is labelled."""
+        return self.out.phase(self.monitor.phase)
 
     async def run(self) -> bool:
         """Handle the exchange; True if the client connection may be reused."""
@@ -204,7 +216,7 @@ class Exchange:
                 self.metrics.send_timeouts.inc()
             else:
                 self.rec.outcome = "client_disconnected"
-                self.metrics.disconnect(self.monitor.phase)
+                self.metrics.disconnect(self.phase)
         except ClientError as exc:
             self.rec.outcome = exc.kind
             await self._answer_error(exc.status_hint, str(exc))
@@ -266,17 +278,15 @@ class Exchange:
             if after is not None and self.request.method != b"HEAD":
                 tg.start_soon(self._early_open_timer, after)
             try:
-                self.monitor.forwarded()
+                self.out.forwarded()
                 req = self.request
                 try:
                     resp = await self.ctx.upstream.request(req.method, req.target, headers, body)
                 except UpstreamError as exc:
-                    self.upstream_answered = True
-                    if not self.early_opened:
+                    if self.out.state is not State.EARLY:
+                        self.out.answered()
                         raise
-                    await self._end_with_error_event(
-                        exc.status_hint, error_body(exc.status_hint, str(exc))
-                    )
+                    await self._end_with_error_event(error_body(exc.status_hint, str(exc)))
                     self._upstream_failed(exc)
                 else:
                     try:
@@ -291,28 +301,25 @@ class Exchange:
                 self._stop_keepalive()
         if self._error is not None:
             raise self._error
-        if self.client_gone:
-            raise ClientDisconnected("client closed the connection")
 
     # ----------------------------------------------------------- 3. respond
 
     async def _respond(self, resp: UpstreamResponse) -> None:
         self.metrics.upstream_up.set(1)
         head = resp.head
-        self.upstream_answered = True
-        sse = 200 <= head.status < 300 and is_event_stream(head.headers)
-        if self.early_opened:
+        early = self.out.state is State.EARLY
+        self.out.answered()
+        if early:
+            sse = 200 <= head.status < 300 and is_event_stream(head.headers)
             self.monitor.answered(self.clock(), event_stream=sse)
             if not sse:
                 await self._early_error_from(resp)
                 return
         else:
             self._send_head(head.status, head.reason, head.headers)
-        await resp.relay(self._deliver, self._drain_client)
-        with client_side(self.client):
-            self.client.write_event(h11.EndOfMessage())
-        self.finished = True
-        await self._drain_client()
+        await resp.relay(self._deliver, self.out.drain)
+        self.out.end()
+        await self.out.drain()
 
     def _send_head(self, status: int, reason: bytes, upstream: list[tuple[bytes, bytes]]) -> None:
         """Write the response head downstream (one unit); start the stream's keepalives."""
@@ -324,11 +331,7 @@ class Exchange:
         if self.ctx.draining:
             headers.append((b"Connection", b"close"))
         starts = self.monitor.answered(self.clock(), event_stream=sse)
-        with client_side(self.client):
-            self.client.write_event(
-                h11.Response(status_code=status, headers=headers, reason=reason)
-            )
-        self.started = True
+        self.out.head(h11.Response(status_code=status, headers=headers, reason=reason))
         self.rec.status = status
         if starts:
             self._stream_started()
@@ -344,25 +347,15 @@ class Exchange:
         if seen:
             for notice in seen:
                 self.metrics.notice(notice)
-        client = self.client
-        try:
-            client.write_data(data, wire)
-        except Exception:
-            # Translate only on the error path: a context manager per event costs.
-            with client_side(client):
-                raise
-        return client.backed_up
-
-    async def _drain_client(self) -> None:
-        with client_side(self.client):
-            await self.client.drain()
+        return self.out.piece(data, wire)
 
     async def _watch_client(self) -> None:
         await self.client.wait_for_eof()
         self._client_left()
 
     def _client_left(self) -> None:
-        self.client_gone = True
+        if self._error is None:
+            self._error = ClientDisconnected("client closed the connection")
         assert self._tg is not None
         self._tg.cancel_scope.cancel()
 
@@ -384,21 +377,21 @@ class Exchange:
         stop unseen): a failure ends the exchange instead.
         """
         self._ka_timer = None
-        if self.finished or self._ka_stopped:
+        out = self.out
+        if not out.open:
             return
         try:
             now = self.clock()
-            ka = self.monitor.keepalive_due(now)
+            ka = self.monitor.keepalive_due(now, early_open=out.state is State.EARLY)
             if ka is not None:
                 try:
-                    self.client.write_data(ka.payload)
+                    out.keepalive(ka.payload)
                 except IO_ERRORS:
                     self._client_left()
                     return
                 self.metrics.keepalive(ka.reason)
             self._arm_keepalive(self.monitor.next_check(now))
         except Exception as exc:
-            self._ka_stopped = True
             self._error = SidecarError(f"keepalive failed: {exc!r}")
             self._error.__cause__ = exc
             if self._tg is not None:
@@ -408,7 +401,6 @@ class Exchange:
         self._ka_timer = self._loop.call_later(delay, self._keepalive_due)
 
     def _stop_keepalive(self) -> None:
-        self._ka_stopped = True
         if self._ka_timer is not None:
             self._ka_timer.cancel()
             self._ka_timer = None
@@ -418,7 +410,7 @@ class Exchange:
     async def _early_open_timer(self, after: float) -> None:
         await anyio.sleep(after)
         assert self.plan is not None
-        if self.upstream_answered or self.started or not self.plan.wants_stream:
+        if self.out.state is not State.QUEUED or not self.plan.wants_stream:
             return
         headers = [
             (b"Content-Type", b"text/event-stream"),
@@ -426,12 +418,10 @@ class Exchange:
             (b"X-Accel-Buffering", b"no"),
         ]
         try:
-            with client_side(self.client):
-                self.client.write_event(h11.Response(status_code=200, headers=headers))
+            self.out.early_head(h11.Response(status_code=200, headers=headers))
         except ClientDisconnected:
             self._client_left()
             return
-        self.early_opened = self.started = True
         self.rec.status = 200
         self.rec.extra["early_open"] = True
         self.monitor.opened_early(self.clock())
@@ -453,17 +443,13 @@ class Exchange:
         if isinstance(payload["error"], dict):
             payload["error"].setdefault("code", status)
         self.rec.extra["upstream_status"] = status
-        await self._end_with_error_event(status, payload)
+        await self._end_with_error_event(payload)
 
-    async def _end_with_error_event(self, status: int, payload: dict[str, Any]) -> None:
+    async def _end_with_error_event(self, payload: dict[str, Any]) -> None:
         """After an early open: the upstream error as one event, and the end (one unit)."""
-        event = b"data: " + json.dumps(payload).encode() + b"\n\n"
-        with client_side(self.client):
-            self.client.write_data(event)
-            self.client.write_event(h11.EndOfMessage())
-        self.finished = True
+        self.out.error_event(payload)
         self.rec.outcome = "early_open_error"
-        await self._drain_client()
+        await self.out.drain()
 
     # ------------------------------------------------------------- 4. record
 
@@ -474,7 +460,7 @@ class Exchange:
             self.metrics.upstream_up.set(0)
 
     async def _answer_error(self, status: int, message: str) -> None:
-        if not self.started and await answer_error(self.client, status, message):
+        if await self.out.answer_error(status, message):
             self.rec.status = status
 
     def _record(self) -> None:

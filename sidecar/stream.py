@@ -6,8 +6,9 @@ Everything the sidecar knows about a response it relays is decided here, from
 the bytes it writes to the client and the times it writes them; the relay
 only moves bytes and calls in.  One monitor per exchange, fed ``(bytes, now)``:
 
-* its :class:`Phase` (request, queued, prompt, streaming, parked), which
-  labels a client disconnect;
+* the :class:`Phase` of the response once upstream answered (prompt,
+  streaming, parked): with the exchange's own state before that (request,
+  queued), the label of a client disconnect;
 * for an event stream (``text/event-stream``), the SSE scanner
   (:class:`~sidecar.sse.SSEScanner`: comment lines and event boundaries), the
   park notices (:func:`~sidecar.notices.classify`) and the set of parked
@@ -18,17 +19,18 @@ only moves bytes and calls in.  One monitor per exchange, fed ``(bytes, now)``:
 
 The relay calls
 
-* :meth:`StreamMonitor.forwarded` once the request went upstream,
-  :meth:`~StreamMonitor.answered` with the response head, and
+* :meth:`~StreamMonitor.answered` with the response head, and
   :meth:`~StreamMonitor.opened_early` if it answered the client before
-  upstream did (``--early-open-after``);
+  upstream did (``--early-open-after``; the stream, and its keepalives, start
+  then);
 * :meth:`~StreamMonitor.feed` with every piece of the body *as it writes it
   downstream*: the piece counts as a write for the keepalive clock, and the
   notices it completes come back as :class:`NoticeSeen` items (usually none)
   for the live metrics;
 * :meth:`~StreamMonitor.keepalive_due` from its timer: the comment to write
-  now, if any (only at an event boundary, see :mod:`sidecar.keepalive`), which
-  the monitor then counts as written; :meth:`~StreamMonitor.next_check` says
+  now, if any (only at an event boundary, see :mod:`sidecar.keepalive`; the
+  relay says whether upstream has yet to answer an early open), which the
+  monitor then counts as written; :meth:`~StreamMonitor.next_check` says
   when to ask again;
 * :meth:`~StreamMonitor.finish` at the end: a :class:`StreamStats`.
 
@@ -92,7 +94,6 @@ _NOTHING: tuple[NoticeSeen, ...] = ()
 
 class StreamMonitor:
     __slots__ = (
-        "_early",
         "_idle_interval",
         "_lead",
         "_park_interval",
@@ -103,7 +104,6 @@ class StreamMonitor:
         "keepalives",
         "parked_seconds",
         "parks",
-        "phase",
         "t0",
         "tracker",
         "ttfb",
@@ -116,9 +116,7 @@ class StreamMonitor:
         self._park_interval = park_interval
         self._idle_interval = idle_interval
         self._lead = lead
-        self.phase = Phase.REQUEST
         self.event_stream = False
-        self._early = False  # opened early and upstream has not answered yet
         self._scanner = SSEScanner()
         self.tracker = ParkTracker()
         self._policy: KeepalivePolicy | None = None
@@ -130,24 +128,17 @@ class StreamMonitor:
 
     # ------------------------------------------------------------ milestones
 
-    def forwarded(self) -> None:
-        """The request went upstream."""
-        self.phase = Phase.QUEUED
-
     def opened_early(self, now: float) -> bool:
         """The client got a ``text/event-stream`` head before upstream answered.
 
         Returns True (the stream starts now), for symmetry with :meth:`answered`.
         """
-        self._early = True
         self._start(now)
         return True
 
     def answered(self, now: float, *, event_stream: bool) -> bool:
         """Upstream's response head arrived; True if an event stream starts now."""
-        self.phase = Phase.PROMPT
-        early, self._early = self._early, False
-        if event_stream and not early:
+        if event_stream and self._policy is None:
             self._start(now)
             return True
         return False
@@ -164,8 +155,6 @@ class StreamMonitor:
         """``data`` is written to the client at ``now``; the notices it completed."""
         if self.ttfb is None:
             self.ttfb = now - self.t0
-            if self.phase is Phase.PROMPT:
-                self.phase = Phase.STREAMING
         self.bytes_out += len(data)
         policy = self._policy
         if policy is None:
@@ -195,13 +184,22 @@ class StreamMonitor:
         parked = tracker.parked
         if parked == was_parked:
             return NoticeSeen(kind, change)
-        self.phase = Phase.PARKED if parked else Phase.STREAMING
         return NoticeSeen(kind, change, parked)
+
+    @property
+    def phase(self) -> Phase:
+        """Of the response, from what was written: no byte yet, bytes, a prompt parked."""
+        if self.tracker.parked:
+            return Phase.PARKED
+        return Phase.PROMPT if self.ttfb is None else Phase.STREAMING
 
     # ------------------------------------------------------------- keepalive
 
-    def keepalive_due(self, now: float) -> Keepalive | None:
-        """The comment to write at ``now``, or None; a returned one counts as written."""
+    def keepalive_due(self, now: float, *, early_open: bool = False) -> Keepalive | None:
+        """The comment to write at ``now``, or None; a returned one counts as written.
+
+        ``early_open``: the client got our head and upstream has not answered yet.
+        """
         policy = self._policy
         if policy is None:
             return None
@@ -209,7 +207,7 @@ class StreamMonitor:
             now,
             parked=self.tracker.parked,
             at_boundary=self._scanner.at_boundary,
-            early_open=self._early,
+            early_open=early_open,
         )
         if ka is not None:
             policy.wrote(now)
@@ -237,13 +235,14 @@ class StreamMonitor:
 
     def finish(self, now: float) -> StreamStats:
         """The figures of the response; parks still open end here."""
+        phase = self.phase
         parked_at_end = self.tracker.parked
         unended = tuple(self.tracker.close(now))
         for ended in unended:
             self.parked_seconds += ended.duration
         policy = self._policy
         return StreamStats(
-            phase=self.phase,
+            phase=phase,
             event_stream=self.event_stream,
             duration=now - self.t0,
             ttfb=self.ttfb,

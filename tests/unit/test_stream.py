@@ -17,7 +17,6 @@ T0 = 100.0
 
 def sse_monitor(park: float = 1.0, idle: float = 10.0) -> StreamMonitor:
     m = StreamMonitor(T0, park, idle)
-    m.forwarded()
     assert m.answered(T0, event_stream=True)
     return m
 
@@ -87,11 +86,9 @@ def test_notices_report_park_changes_and_flips() -> None:
     assert d.parked is False
 
 
-def test_phases_of_an_exchange() -> None:
+def test_phases_of_a_response() -> None:
+    # before upstream answers, the phase is the exchange's (tests/unit/test_exchange_state.py)
     m = StreamMonitor(T0, 1.0, 10.0)
-    assert m.phase is Phase.REQUEST
-    m.forwarded()
-    assert m.phase is Phase.QUEUED
     assert not m.answered(101.0, event_stream=False)
     assert m.phase is Phase.PROMPT
     assert m.feed(b'{"content": ": preempted"}\n\n', 102.0) == ()  # not an event stream
@@ -145,9 +142,8 @@ def test_next_check_never_sleeps_past_a_park_deadline() -> None:
 
 def test_early_open_keepalives_until_upstream_answers() -> None:
     m = StreamMonitor(T0, 1.0, 10.0)
-    m.forwarded()
     assert m.opened_early(101.0)
-    ka = m.keepalive_due(111.0)
+    ka = m.keepalive_due(111.0, early_open=True)
     assert ka is not None
     assert ka.reason is Reason.EARLY_OPEN
     assert not m.answered(112.0, event_stream=True)  # the stream started already
