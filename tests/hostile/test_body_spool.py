@@ -20,7 +20,7 @@ from tests.support.fake_upstream import FakeUpstream
 from tests.support.fixtures import SidecarFactory
 from tests.support.rawclient import RawConn
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.in_memory]
 
 BODY = b"x" * 100_000
 

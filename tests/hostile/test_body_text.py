@@ -138,6 +138,7 @@ def test_what_is_kept_between_pieces_is_bounded() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 @pytest.mark.parametrize("name", list(BAD))
 async def test_bad_text_gets_a_400_and_its_file_is_closed_at_once(
     fake: FakeUpstream,
@@ -165,6 +166,7 @@ async def test_bad_text_gets_a_400_and_its_file_is_closed_at_once(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 @pytest.mark.parametrize("name", list(GOOD))
 async def test_good_text_is_forwarded_with_the_priority(
     fake: FakeUpstream, sidecar_factory: SidecarFactory, name: str

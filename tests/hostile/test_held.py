@@ -22,7 +22,7 @@ from tests.support.fixtures import SidecarFactory
 from tests.support.rawclient import RawConn
 from tests.support.samples import sample
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.in_memory]
 
 HIDDEN = b"GET /smuggled HTTP/1.1\r\nHost: x\r\n\r\n"
 _EOL = re.compile(rb"\r\n|\r|\n")

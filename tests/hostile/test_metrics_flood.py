@@ -42,6 +42,7 @@ def test_the_limiter_renders_a_burst_then_at_its_rate() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_a_metrics_flood_gets_few_renderings(
     fake: FakeUpstream, sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -69,6 +70,7 @@ async def test_a_metrics_flood_gets_few_renderings(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_a_scrape_is_never_older_than_one_render_interval(
     fake: FakeUpstream, sidecar: Sidecar
 ) -> None:

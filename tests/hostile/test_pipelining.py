@@ -17,7 +17,7 @@ from tests.support.fake_upstream import FakeUpstream, chunk, sse_head
 from tests.support.rawclient import RawConn
 from tests.support.samples import sample
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.in_memory]
 
 REQUEST = (b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
            b'Content-Length: 16\r\n\r\n{"stream": true}')  # fmt: skip

@@ -25,6 +25,7 @@ from tests.support.rawclient import RawConn
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_slow_bodies_hold_no_upstream_connection(
     fake: FakeUpstream, sidecar: Sidecar
 ) -> None:
@@ -47,6 +48,7 @@ async def test_slow_bodies_hold_no_upstream_connection(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_one_deadline_for_the_whole_body(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
@@ -73,6 +75,7 @@ async def test_one_deadline_for_the_whole_body(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_chunked_body_over_the_limit_gets_413(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
@@ -90,6 +93,7 @@ async def test_chunked_body_over_the_limit_gets_413(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 @pytest.mark.parametrize(
     ("size", "status"), [(b"f" * 15, 413), (b"1" + b"0" * 16, 400)], ids=["huge", "overflow"]
 )
@@ -109,6 +113,7 @@ async def test_an_oversized_chunk_is_body_until_the_limit(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_a_body_larger_than_the_buffer_spills_and_arrives_intact(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:

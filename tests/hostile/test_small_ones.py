@@ -7,7 +7,6 @@ import logging
 import time
 
 import anyio
-import httpx
 import pytest
 
 from sidecar.readiness import PARKED, Readiness, poll_upstream
@@ -15,6 +14,7 @@ from sidecar.server import Sidecar
 from sidecar.sse import MAX_KEPT, Comment, SSEScanner
 from tests.support.fake_upstream import FakeUpstream, sse_head
 from tests.support.fixtures import SidecarFactory
+from tests.support.memnet import http_client
 from tests.support.rawclient import RawConn
 from tests.support.samples import sample
 
@@ -23,6 +23,7 @@ SSE_CHUNKED_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 @pytest.mark.parametrize("option", [b"content-length", b"Content-Length, keep-alive"])
 async def test_connection_never_strips_the_body_length(
     fake: FakeUpstream, sidecar: Sidecar, option: bytes
@@ -38,6 +39,7 @@ async def test_connection_never_strips_the_body_length(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_connect_is_refused_not_relayed(fake: FakeUpstream, sidecar: Sidecar) -> None:
     async with await RawConn.open(sidecar.url) as c:
         await c.send(b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\n\r\n")
@@ -50,6 +52,7 @@ async def test_connect_is_refused_not_relayed(fake: FakeUpstream, sidecar: Sidec
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 @pytest.mark.parametrize(
     ("request_bytes", "status", "reason"),
     [
@@ -71,6 +74,7 @@ async def test_error_responses_carry_a_reason_phrase(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_upstream_down_is_a_502_with_its_reason(sidecar_factory: SidecarFactory) -> None:
     async with (
         sidecar_factory("http://127.0.0.1:9") as sc,
@@ -82,6 +86,7 @@ async def test_upstream_down_is_a_502_with_its_reason(sidecar_factory: SidecarFa
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_401_carries_the_bearer_challenge(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
@@ -117,6 +122,7 @@ def test_a_16_mb_line_costs_linear_time_and_bounded_memory(method: str) -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_a_16_mb_line_is_relayed_intact(fake: FakeUpstream, sidecar: Sidecar) -> None:
     line = b"data: " + b"y" * (16 * 1024 * 1024) + b"\n\n"
     fake.route("/v1/chat/completions", [sse_head(), ("send", line), ("send", b": preempted\n\n"),
@@ -129,6 +135,7 @@ async def test_a_16_mb_line_is_relayed_intact(fake: FakeUpstream, sidecar: Sidec
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_good_chunks_before_a_bad_one_are_delivered(
     fake: FakeUpstream, sidecar: Sidecar
 ) -> None:
@@ -150,6 +157,7 @@ async def test_good_chunks_before_a_bad_one_are_delivered(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 @pytest.mark.parametrize(
     "request_bytes",
     [
@@ -176,6 +184,7 @@ async def test_obs_fold_and_http10_chunked_are_refused(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_a_space_inside_a_header_value_is_not_a_fold(
     fake: FakeUpstream, sidecar: Sidecar
 ) -> None:
@@ -204,6 +213,6 @@ async def test_the_readiness_poller_does_not_log_each_poll(
         await poll_upstream(readiness, fake.url + "/metrics")
     assert len(fake.requests) >= 3  # polls happened (their verdict is not this test's business)
     assert [r for r in caplog.records if r.name.startswith("httpx")] == []
-    async with httpx.AsyncClient() as other:
+    async with http_client() as other:
         await other.get(fake.url + "/metrics")
     assert any(r.name == "httpx" and r.levelno == logging.INFO for r in caplog.records)

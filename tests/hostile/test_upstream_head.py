@@ -21,7 +21,7 @@ from tests.support.fixtures import SidecarFactory
 from tests.support.rawclient import RawConn
 from tests.support.samples import sample
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.in_memory]
 
 CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
 DRIP: Script = [

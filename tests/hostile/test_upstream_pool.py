@@ -82,6 +82,7 @@ async def test_stray_bytes_never_reach_the_next_client(
     assert len(fake.conns) == 2
 
 
+@pytest.mark.in_memory
 async def test_both_content_length_and_chunked_loses_the_length(
     fake: FakeUpstream, sidecar: Sidecar
 ) -> None:
@@ -100,6 +101,7 @@ async def test_both_content_length_and_chunked_loses_the_length(
     assert [r.target for r in fake.conns[-1].requests] == [b"/next"]
 
 
+@pytest.mark.in_memory
 async def test_an_unfinished_body_is_never_pooled(fake: FakeUpstream, sidecar: Sidecar) -> None:
     """The client leaves mid-body: the rest of that body must not become B's response."""
     fake.route("/long", [sse_head(), ("send", b"data: 1\n\n"), ("sleep", 0.3),
@@ -114,6 +116,7 @@ async def test_an_unfinished_body_is_never_pooled(fake: FakeUpstream, sidecar: S
     assert [r.target for r in fake.conns[-1].requests] == [b"/next"]
 
 
+@pytest.mark.in_memory
 async def test_clean_responses_are_still_pooled(fake: FakeUpstream, sidecar: Sidecar) -> None:
     """The fix must not switch pooling off: exact responses reuse one connection."""
     for i in range(3):

@@ -11,15 +11,16 @@ from sidecar.metrics import KNOWN_ROUTES
 from sidecar.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream, chunk, sse_head
 from tests.support.fixtures import SidecarFactory
+from tests.support.memnet import http_client
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.in_memory]
 
 Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
 
 
 async def scrape(sc: Sidecar) -> Samples:
     assert sc.metrics_url is not None
-    async with httpx.AsyncClient() as c:
+    async with http_client() as c:
         r = await c.get(sc.metrics_url)
         health = await c.get(sc.metrics_url.replace("/metrics", "/healthz"))
     assert r.status_code == 200
@@ -49,7 +50,7 @@ async def test_metrics_after_scripted_scenarios(
     fake.route("/props", [("head", 200, [(b"Content-Length", b"2")]), ("send", b"{}"), ("end",)])
     fake.route("/v1/models", [("head", 404, [(b"Content-Length", b"0")]), ("end",)])
     fake.route("/infill", [sse_head(), ("send", chunk(0)), ("sleep", 0.05), ("die",)])
-    async with sidecar_factory(fake.url) as sc, httpx.AsyncClient(timeout=10) as c:
+    async with sidecar_factory(fake.url) as sc, http_client(timeout=10) as c:
         before = await scrape(sc)
         assert v(before, "llama_sidecar_parks_total") == 0
         async with anyio.create_task_group() as tg:
@@ -106,7 +107,7 @@ async def test_metrics_after_scripted_scenarios(
 
 
 async def test_upstream_down_metrics(sidecar_factory: SidecarFactory) -> None:
-    async with sidecar_factory("http://127.0.0.1:1") as sc, httpx.AsyncClient() as c:
+    async with sidecar_factory("http://127.0.0.1:1") as sc, http_client() as c:
         assert (await c.get(sc.url + "/health")).status_code == 502
         m = await scrape(sc)
     assert v(m, "llama_sidecar_upstream_up") == 0
@@ -116,7 +117,7 @@ async def test_upstream_down_metrics(sidecar_factory: SidecarFactory) -> None:
 
 @pytest.mark.slow
 async def test_labels_bounded_under_many_paths(fake: FakeUpstream, sidecar: Sidecar) -> None:
-    async with httpx.AsyncClient() as c:
+    async with http_client() as c:
         for i in range(1000):
             r = await c.get(f"{sidecar.url}/x/{i}/{'y' * (i % 7)}?id={i}")
             assert r.status_code == 200
@@ -131,7 +132,7 @@ async def test_labels_bounded_under_many_paths(fake: FakeUpstream, sidecar: Side
 
 async def test_metrics_listener_404_and_openmetrics(sidecar: Sidecar) -> None:
     assert sidecar.metrics_url is not None
-    async with httpx.AsyncClient() as c:
+    async with http_client() as c:
         r = await c.get(sidecar.metrics_url.replace("/metrics", "/nope"))
         assert r.status_code == 404
         r = await c.get(sidecar.metrics_url, headers={"Accept": "application/openmetrics-text"})

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.fixtures import SidecarFactory
+from tests.support.memnet import http_client
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.in_memory]
 
 RULES = {"priority_keys": "gold=10,batch=-5", "priority_header": "X-Priority"}
 ROUTES = ["/completion", "/v1/completions", "/v1/chat/completions"]
@@ -26,7 +26,7 @@ async def test_priority_from_key_header_or_default(
 ) -> None:
     for route in [*ROUTES, "/tokenize"]:
         fake.route(route, [("echo",)])
-    async with sidecar_factory(fake.url, **RULES) as sc, httpx.AsyncClient() as c:
+    async with sidecar_factory(fake.url, **RULES) as sc, http_client() as c:
         cases = [
             ({"Authorization": "Bearer gold", "X-Priority": "-3"}, 10),  # the key wins
             ({"X-Api-Key": "batch"}, -5),
@@ -53,7 +53,7 @@ async def test_a_body_that_is_not_a_json_object_is_refused_and_counted(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
     fake.route("/completion", [("echo",)])
-    async with sidecar_factory(fake.url, **RULES) as sc, httpx.AsyncClient() as c:
+    async with sidecar_factory(fake.url, **RULES) as sc, http_client() as c:
         for raw in (b"not json", b"[1, 2]", b'{"prompt": "cut'):
             r = await c.post(sc.url + "/completion", content=raw, headers={"X-Priority": "3"})
             assert r.status_code == 400
@@ -68,7 +68,7 @@ async def test_without_rules_bodies_are_untouched(
 ) -> None:
     fake.route("/completion", [("echo",)])
     raw = b'{"prompt": "hi",  "priority": 99}'
-    async with sidecar_factory(fake.url) as sc, httpx.AsyncClient() as c:
+    async with sidecar_factory(fake.url) as sc, http_client() as c:
         r = await c.post(sc.url + "/completion", content=raw, headers={"X-Priority": "3"})
     assert r.content == raw
 
@@ -78,7 +78,7 @@ async def test_a_large_body_is_rewritten_too(
 ) -> None:
     fake.route("/completion", [("echo",)])
     prompt = "word " * 200_000  # 1 MB: spliced in steps
-    async with sidecar_factory(fake.url, **RULES) as sc, httpx.AsyncClient(timeout=30) as c:
+    async with sidecar_factory(fake.url, **RULES) as sc, http_client(timeout=30) as c:
         r = await c.post(sc.url + "/completion", json={"prompt": prompt},
                          headers={"Authorization": "Bearer batch"})  # fmt: skip
     assert json.loads(r.content) == {"prompt": prompt, "priority": -5}

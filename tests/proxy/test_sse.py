@@ -4,18 +4,18 @@ from __future__ import annotations
 
 import json
 
-import httpx
 import pytest
 
 from sidecar.server import Sidecar
 from tests.support import sse_client
 from tests.support.fake_upstream import SSE_HEADERS, FakeUpstream, chunk, park_script, sse_head
 from tests.support.fixtures import SidecarFactory
+from tests.support.memnet import http_client
 from tests.support.rawclient import RawConn
 from tests.support.samples import sample
 from tests.support.sse_client import astream_sse
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.in_memory]
 
 
 async def timed_stream(url: str) -> tuple[int, dict[str, str], list[tuple[float, bytes]]]:
@@ -173,7 +173,7 @@ async def test_early_open_off_for_non_streaming(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
     fake.route("/x", [("sleep", 0.6), ("head", 404, [(b"Content-Length", b"0")]), ("end",)])
-    async with sidecar_factory(fake.url, early_open_after=0.1) as sc, httpx.AsyncClient() as c:
+    async with sidecar_factory(fake.url, early_open_after=0.1) as sc, http_client() as c:
         r = await c.post(sc.url + "/x", json={"stream": False})
     assert r.status_code == 404
 
@@ -184,7 +184,7 @@ async def test_early_open_upstream_down(
     # connect fails fast: a plain 502 (nothing was opened yet)
     async with (
         sidecar_factory("http://127.0.0.1:1", early_open_after=0.2) as sc,
-        httpx.AsyncClient() as c,
+        http_client() as c,
     ):
         r = await c.post(sc.url + "/v1/chat/completions", json={"stream": True})
     assert r.status_code == 502

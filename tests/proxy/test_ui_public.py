@@ -4,12 +4,12 @@ the key itself, and every API route still needs it, whatever a client dresses it
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from sidecar.request import public_route
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.fixtures import SidecarFactory
+from tests.support.memnet import http_client
 
 UI_FILES = [
     b"/", b"/?lang=en", b"/index.html", b"/sw.js", b"/manifest.webmanifest", b"/build.json",
@@ -52,13 +52,14 @@ def test_health_stays_public() -> None:
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_the_page_passes_without_the_key_and_the_api_does_not(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
     page = b"<!doctype html><title>llama</title>"
     head = [(b"Content-Type", b"text/html"), (b"Content-Length", str(len(page)).encode())]
     fake.route("/", [("head", 200, head), ("send", page), ("end",)])
-    async with sidecar_factory(fake.url, api_key="s3cret") as sc, httpx.AsyncClient() as c:
+    async with sidecar_factory(fake.url, api_key="s3cret") as sc, http_client() as c:
         r = await c.get(sc.url + "/")
         assert r.status_code == 200
         assert r.content == page

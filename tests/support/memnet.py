@@ -166,5 +166,10 @@ class _Transport(httpx.AsyncHTTPTransport):
 
 
 def http_client(**options: Any) -> httpx.AsyncClient:
-    """An ``httpx.AsyncClient`` that reaches the net's addresses in memory (others by TCP)."""
+    """An ``httpx.AsyncClient`` that reaches the net's addresses in memory (others by TCP).
+
+    With no net (a test not marked ``in_memory``) it is a plain ``httpx.AsyncClient``.
+    """
+    if _current is None:
+        return httpx.AsyncClient(**options)
     return httpx.AsyncClient(transport=_Transport(), **options)

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 
 from sidecar.probe import split_lines
+from tests.support.memnet import http_client
 
 OnRead = Callable[[float, bytes], None]
 
@@ -172,7 +173,7 @@ async def astream_sse(
     log = StreamLog(0, [], t0)
     lines = _Lines()
     async with (
-        httpx.AsyncClient(timeout=timeout) as c,
+        http_client(timeout=timeout) as c,
         c.stream(method, url, headers=headers, **_request_kwargs(body)) as r,
     ):
         log.status, log.headers = r.status_code, dict(r.headers)
