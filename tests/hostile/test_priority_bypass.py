@@ -93,6 +93,7 @@ def request(target: bytes, head: bytes, data: bytes) -> bytes:
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 @pytest.mark.parametrize(("name", "target", "head", "data"), REFUSED, ids=[r[0] for r in REFUSED])
 async def test_an_attack_the_priority_cannot_reach_is_refused(
     fake: FakeUpstream, sidecar_factory: SidecarFactory, name: str, target: bytes, head: bytes,
@@ -108,6 +109,7 @@ async def test_an_attack_the_priority_cannot_reach_is_refused(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 @pytest.mark.parametrize(("name", "target", "data"), SPLICED, ids=[r[0] for r in SPLICED])
 async def test_a_generating_request_gets_the_operators_priority_last(
     fake: FakeUpstream, sidecar_factory: SidecarFactory, name: str, target: bytes, data: bytes
@@ -125,6 +127,7 @@ async def test_a_generating_request_gets_the_operators_priority_last(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_routes_that_do_not_generate_are_relayed_untouched(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
