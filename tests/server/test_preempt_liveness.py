@@ -216,6 +216,48 @@ def test_a_text_request_beside_image_slots_that_cannot_be_parked_completes(
     assert m["requests_preempted"] == 0
 
 
+# an image chunk that does not fit ------------------------------------------------------------
+
+
+def test_an_image_chunk_that_does_not_fit_is_treated_as_a_prompt_that_does_not_fit(
+    start_server: StartServer, slow_model: Path,
+) -> None:
+    """Planner off (the retry ladder and the last resort decide), a 256-cell pool. A generates
+    alone (8 + 240 cells); a prompt that opens with four images in a row (64 cells) arrives when
+    A holds about 200 cells: the images do not fit beside it. Image chunks are
+    decoded on their own while the batch is built, outside the batch's retry ladder: the failed
+    decode was answered 500 "failed to process mtmd chunk", nothing parked (the fuzz harness met
+    it with mixed seed 4795). It now gets what a prompt batch that does not fit gets: the last
+    resort parks a slot (the image request: A leads), and both requests complete."""
+    spec = MmprojSpec(n_embd_text=SPECS["slow"].n_embd)
+    mmproj = cached(cache_dir() / "models" / spec.file_name, lambda p: write_mmproj(p, spec))
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "--mmproj", str(mmproj), "-c", "256",
+                                               "-np", "2"], env=PLANNER_OFF)
+    marker = httpx.get(f"{srv.url}/props", timeout=10).json()["media_marker"]
+    prompt = image_prompt([*(png(128, 48, 20 + i) for i in range(4)), " what is it?"], marker)
+    ta: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: ta.update(res=complete(srv.url, token_prompt(8, 21), 240, timeout=600)),
+        daemon=True)
+    thread.start()
+    # A holds 198-248 cells when the images come: 64 cells do not fit beside it
+    wait_for(lambda: generating(srv.url, 190), what="A holding 198 cells", timeout=240)
+    got = bounded(srv, lambda: complete(srv.url, prompt, 16, timeout=600), loop_marker=PARK_LINE)
+    thread.join(300)
+    log = srv.log_text()
+    assert "failed to process mtmd chunk" not in log
+    assert got.ok, got.error
+    assert got.n_predicted == 16
+    a = ta["res"]
+    assert a.ok, a.error
+    assert a.n_predicted == 240
+    assert count_lines(log, "a media chunk found no room") >= 1, "the images fitted: no overflow"
+    assert got.preempt["parks"] >= 1, got.preempt
+    m = wait_settled(srv.url)
+    assert m["n_resume_total"] == m["n_preempt_total"]
+    assert m["requests_preempted"] == 0
+
+
 # priority inversion with families ------------------------------------------------------------
 
 
