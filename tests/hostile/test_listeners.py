@@ -40,6 +40,7 @@ def _metrics_base(sc: Sidecar) -> str:
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_idle_keepalive_scrape_connection_is_closed_after_keepalive_timeout(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
@@ -82,6 +83,7 @@ async def drip_until_answered(conn: RawConn, head: bytes, line: bytes, every: fl
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_metrics_listener_slowloris_gets_408(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
@@ -97,6 +99,7 @@ async def test_metrics_listener_slowloris_gets_408(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 @pytest.mark.parametrize(
     ("request_bytes", "status"),
     [
@@ -129,6 +132,7 @@ async def test_metrics_listener_refuses_what_it_does_not_serve(
 
 
 @pytest.mark.anyio
+@pytest.mark.in_memory
 async def test_a_bug_in_one_connection_ends_only_that_connection(
     fake: FakeUpstream, sidecar: Sidecar, monkeypatch: pytest.MonkeyPatch
 ) -> None:
