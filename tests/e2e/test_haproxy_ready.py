@@ -72,7 +72,9 @@ def sidecars() -> Iterator[list[SidecarProcess]]:
 def test_haproxy_steers_new_requests_away_from_a_parking_pair(
     start_server: StartServer, slow_model: Path, sidecars: list[SidecarProcess], tmp_path: Path
 ) -> None:
-    pool, a_tokens, b_tokens = long_park_sizes(start_server, slow_model)
+    # the park outlasts a readiness poll, haproxy's down check and four requests: at least
+    # 512 cells (with 256, one run at load 16 sent the first of the four to pair 1)
+    pool, a_tokens, b_tokens = long_park_sizes(start_server, slow_model, min_pool=512)
     servers = [
         start_server(model=slow_model, args=[*BASE, *PARK, "-c", str(pool), "-np", "2"])
         for _ in range(2)

@@ -443,13 +443,16 @@ def robust_prompts(
 PARK_SECONDS = 5.0
 
 
-def long_park_sizes(start_server: Callable[..., Any], model: Any) -> tuple[int, int, int]:
+def long_park_sizes(
+    start_server: Callable[..., Any], model: Any, min_pool: int = 256
+) -> tuple[int, int, int]:
     """(pool, leader tokens, parked tokens) for a park of about PARK_SECONDS on this machine.
 
     B starts when A holds a few tokens; both grow until the pool is full at about half each;
     B (the smaller) is parked until A finishes. The park therefore lasts (A - pool/2) tokens
     of A generating alone: sizing it from the measured speed keeps tests that need a long park
-    meaningful on a machine of any speed (fixed sizes gave sub-second parks on a GPU).
+    meaningful on a machine of any speed (fixed sizes gave sub-second parks on a GPU), and
+    short on a slow one. ``min_pool`` (cells) makes it longer there.
     """
     probe = start_server(model=model, args=[*BASE, "-c", "256", "-np", "1"])
     solo = complete(probe.url, token_prompt(8, 1), 32)
@@ -457,5 +460,5 @@ def long_park_sizes(start_server: Callable[..., Any], model: Any) -> tuple[int, 
     assert solo.final is not None, solo.error
     speed = float(solo.final["timings"]["predicted_per_second"])
     # llama.cpp pads the context to a multiple of 256: size the pool on that grid
-    pool = max(512, -(-int(2 * PARK_SECONDS * speed + 64) // 256) * 256)
+    pool = max(min_pool, -(-int(2 * PARK_SECONDS * speed + 64) // 256) * 256)
     return pool, pool - 32, pool // 2 + 44
