@@ -4,12 +4,14 @@ Theory of operation
 -------------------
 * :class:`State` is where an exchange is, one value for the whole of it (as h11
   keeps ``our_state``); :class:`Downstream` holds it and is the one writer of the
-  response.  Each write unit (a head, the early-open head, a body piece, a
-  keepalive comment, the end, an error event with the end, an error answer) is
-  one method that checks the state, writes with no ``await`` inside, and moves
-  the state; a unit the state does not allow raises :class:`StateError` before a
-  byte is written.  The moves that are no write (the request forwarded,
-  upstream's answer) are methods too, so no other code sets the state::
+  response, which it counts as it writes (each body piece is fed to the
+  exchange's :class:`~sidecar.stream.StreamMonitor`).  Each write unit (a head,
+  the early-open head, a body piece, a keepalive comment, the end, an error
+  event with the end, an error answer) is one method that checks the state,
+  writes with no ``await`` inside, and moves the state; a unit the state does
+  not allow raises :class:`StateError` before a byte is written.  The moves
+  that are no write (the request forwarded, upstream's answer) are methods
+  too, so no other code sets the state::
 
       REQUEST --forwarded--> QUEUED --early_head--> EARLY
       QUEUED --answered--> ANSWERED --head--> RESPONSE --end--> DONE
@@ -31,7 +33,7 @@ from __future__ import annotations
 
 import enum
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from http import HTTPStatus
@@ -43,7 +45,7 @@ import h11
 from sidecar.adapter import H11Stream
 from sidecar.errors import IO_ERRORS, BadRequest, ClientDisconnected, ClientError, map_exceptions
 from sidecar.headers import Headers
-from sidecar.stream import Phase
+from sidecar.stream import NoticeSeen, Phase, StreamMonitor
 
 __all__ = [
     "AccessRecord",
@@ -148,12 +150,25 @@ _RESPONSE = State.RESPONSE  # the body piece's check, without an attribute looku
 
 
 class Downstream:
-    """The state of one exchange and the one writer of its response to the client."""
+    """The state of one exchange and the one writer of its response to the client.
 
-    __slots__ = ("client", "state")
+    ``monitor`` counts what is written; ``notice`` gets the park notices a body
+    piece completes (the live metrics).
+    """
 
-    def __init__(self, client: H11Stream) -> None:
+    __slots__ = ("client", "clock", "monitor", "notice", "state")
+
+    def __init__(
+        self,
+        client: H11Stream,
+        monitor: StreamMonitor,
+        clock: Callable[[], float],
+        notice: Callable[[NoticeSeen], None],
+    ) -> None:
         self.client = client
+        self.monitor = monitor
+        self.clock = clock
+        self.notice = notice
         self.state = State.REQUEST
 
     def _require(self, *states: State, unit: str) -> None:
@@ -170,9 +185,10 @@ class Downstream:
         """A response is out and not ended: keepalives may be written."""
         return self.state is State.EARLY or self.state is State.RESPONSE
 
-    def phase(self, body: Phase) -> Phase:
-        """The exchange's phase; ``body`` is the monitor's, once upstream answered."""
-        return _PHASE.get(self.state, body)
+    @property
+    def phase(self) -> Phase:
+        """Where the exchange is, as a client disconnect is labelled."""
+        return _PHASE.get(self.state) or self.monitor.phase
 
     # ----------------------------------------------------- moves, no write
 
@@ -203,9 +219,18 @@ class Downstream:
         self.state = State.EARLY
 
     def piece(self, data: bytes, wire: bytes | None) -> bool:
-        """One relayed piece of the body; True when the client is backed up (drain then)."""
+        """One relayed piece of the body, from the upstream read callback.
+
+        ``wire`` is ``data`` in whole chunks as upstream framed them; a chunked
+        downstream gets those bytes unchanged.  Returns True when the client is
+        backed up (the relay task then drains before reading on).
+        """
         if self.state is not _RESPONSE:
             self._require(State.RESPONSE, unit="a body piece")
+        seen = self.monitor.feed(data, self.clock())
+        if seen:
+            for notice in seen:
+                self.notice(notice)
         client = self.client
         try:
             client.write_data(data, wire)
@@ -213,7 +238,7 @@ class Downstream:
             # Translate only on the error path: a context manager per piece costs.
             with client_side(client):
                 raise
-        return client.backed_up
+        return client.stream.write_paused  # client.backed_up, inlined: the hot path
 
     def keepalive(self, payload: bytes) -> None:
         """A keepalive comment; raises what the transport raises (the client is gone)."""

@@ -11,8 +11,9 @@ that :meth:`Exchange.run` reads in order:
    body (see :mod:`sidecar.request`);
 2. **forward**: the request goes to the upstream pool (:mod:`sidecar.upstream`);
 3. **respond**: the response head goes downstream and the body is relayed
-   from the upstream read callback (:meth:`Exchange._deliver`), each piece fed
-   to the exchange's :class:`~sidecar.stream.StreamMonitor` as it is written;
+   from the upstream read callback (:meth:`~sidecar.downstream.Downstream.piece`),
+   each piece fed to the exchange's :class:`~sidecar.stream.StreamMonitor` as it
+   is written;
 4. **record**: the monitor's :class:`~sidecar.stream.StreamStats` go to the
    metrics and the access log, in a ``finally`` that runs under cancellation.
 
@@ -94,7 +95,7 @@ from sidecar.metrics import Metrics, route_label
 from sidecar.priority import PriorityRules
 from sidecar.request import RequestPlan, apply_priority, check_request, read_body, upstream_headers
 from sidecar.routes import RouteKind, classify
-from sidecar.stream import Phase, StreamMonitor
+from sidecar.stream import StreamMonitor
 from sidecar.upstream import RequestBody, UpstreamPool, UpstreamResponse
 
 __all__ = ["Context", "Exchange"]
@@ -179,7 +180,7 @@ class Exchange:
         self.monitor = StreamMonitor(
             self.clock(), cfg.park_keepalive, cfg.idle_keepalive, lead=KEEPALIVE_LEAD
         )
-        self.out = Downstream(client)
+        self.out = Downstream(client, self.monitor, self.clock, self.metrics.notice)
         self.plan: RequestPlan | None = None
         self._tg: anyio.abc.TaskGroup | None = None
         # why the exchange stopped early (the client left, a keepalive failed)
@@ -190,11 +191,6 @@ class Exchange:
     @property
     def state(self) -> State:
         return self.out.state
-
-    @property
-    def phase(self) -> Phase:
-        """Where the exchange is, as a client disconnect is labelled."""
-        return self.out.phase(self.monitor.phase)
 
     async def run(self) -> bool:
         """Handle the exchange; True if the client connection may be reused."""
@@ -216,7 +212,7 @@ class Exchange:
                 self.metrics.send_timeouts.inc()
             else:
                 self.rec.outcome = "client_disconnected"
-                self.metrics.disconnect(self.phase)
+                self.metrics.disconnect(self.out.phase)
         except ClientError as exc:
             self.rec.outcome = exc.kind
             await self._answer_error(exc.status_hint, str(exc))
@@ -317,7 +313,7 @@ class Exchange:
                 return
         else:
             self._send_head(head.status, head.reason, head.headers)
-        await resp.relay(self._deliver, self.out.drain)
+        await resp.relay(self.out.piece, self.out.drain)
         self.out.end()
         await self.out.drain()
 
@@ -335,19 +331,6 @@ class Exchange:
         self.rec.status = status
         if starts:
             self._stream_started()
-
-    def _deliver(self, data: bytes, wire: bytes | None) -> bool:
-        """Relay one piece of the body downstream (one unit), from the read callback.
-
-        ``wire`` is ``data`` in whole chunks as upstream framed them; a chunked
-        downstream gets those bytes unchanged.  Returns True when downstream is
-        backed up (the relay task then drains before reading on).
-        """
-        seen = self.monitor.feed(data, self.clock())
-        if seen:
-            for notice in seen:
-                self.metrics.notice(notice)
-        return self.out.piece(data, wire)
 
     async def _watch_client(self) -> None:
         await self.client.wait_for_eof()

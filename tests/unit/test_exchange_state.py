@@ -12,7 +12,8 @@ import pytest
 
 from sidecar.adapter import H11Stream
 from sidecar.downstream import Downstream, State, StateError
-from sidecar.stream import Phase, StreamMonitor
+from sidecar.notices import NoticeKind
+from sidecar.stream import NoticeSeen, Phase, StreamMonitor
 from sidecar.transport import TransportStream
 
 pytestmark = pytest.mark.anyio
@@ -46,7 +47,15 @@ class Recorder(asyncio.Transport):
         return 0
 
 
-def writer() -> tuple[Downstream, Recorder]:
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def writer(notices: list[NoticeSeen] | None = None) -> tuple[Downstream, Recorder]:
     """A Downstream whose client sent ``GET /`` (the h11 side is ready for a response)."""
     transport = Recorder()
     stream = TransportStream()
@@ -55,7 +64,8 @@ def writer() -> tuple[Downstream, Recorder]:
     client.conn.receive_data(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
     assert type(client.conn.next_event()) is h11.Request
     assert type(client.conn.next_event()) is h11.EndOfMessage
-    return Downstream(client), transport
+    seen = [] if notices is None else notices
+    return Downstream(client, StreamMonitor(0.0, 1.0, 10.0), Clock(), seen.append), transport
 
 
 def response() -> h11.Response:
@@ -135,30 +145,37 @@ async def test_a_unit_the_state_allows_moves_it(state: State, unit: str) -> None
 
 
 async def test_the_relayed_path_writes_a_head_pieces_and_the_end() -> None:
-    d, transport = writer()
-    monitor = StreamMonitor(0.0, 1.0, 10.0)
-    assert d.phase(monitor.phase) is Phase.REQUEST
+    notices: list[NoticeSeen] = []
+    d, transport = writer(notices)
+    assert d.phase is Phase.REQUEST
     d.forwarded()
-    assert d.phase(monitor.phase) is Phase.QUEUED
+    assert d.phase is Phase.QUEUED
     assert not d.head_sent
     d.answered()
     assert d.state is State.ANSWERED
-    monitor.answered(1.0, event_stream=True)
+    d.monitor.answered(1.0, event_stream=True)
     d.head(response())
     assert d.state is State.RESPONSE
     assert d.head_sent
     assert d.open
-    assert d.phase(monitor.phase) is Phase.PROMPT
-    monitor.feed(b"data: 1\n\n", 2.0)
+    assert d.phase is Phase.PROMPT
     assert d.piece(b"data: 1\n\n", None) is False  # not backed up
-    assert d.phase(monitor.phase) is Phase.STREAMING
+    assert d.phase is Phase.STREAMING
+    assert d.piece(b": preempted\n\n", None) is False
+    assert d.phase is Phase.PARKED
+    assert [n.kind for n in notices] == [NoticeKind.PREEMPTED]
+    assert d.monitor.bytes_out == 9 + 13
     d.keepalive(b": keepalive\n\n")
     d.end()
     assert d.state is State.DONE
     assert not d.open
-    assert d.phase(monitor.phase) is Phase.STREAMING
+    assert d.phase is Phase.PARKED
     assert bytes(transport.written) == (
-        HEAD + b"9\r\ndata: 1\n\n\r\n" + b"d\r\n: keepalive\n\n\r\n" + b"0\r\n\r\n"
+        HEAD
+        + b"9\r\ndata: 1\n\n\r\n"
+        + b"d\r\n: preempted\n\n\r\n"
+        + b"d\r\n: keepalive\n\n\r\n"
+        + b"0\r\n\r\n"
     )
 
 
@@ -173,7 +190,7 @@ async def test_early_open_then_upstreams_failure_as_an_event() -> None:
     d, transport = reach(State.EARLY)
     assert d.head_sent
     assert d.open
-    assert d.phase(Phase.PROMPT) is Phase.QUEUED  # upstream has not answered
+    assert d.phase is Phase.QUEUED  # upstream has not answered
     d.keepalive(b": keepalive\n\n")
     d.answered()
     assert d.state is State.RESPONSE  # our head stands for upstream's
