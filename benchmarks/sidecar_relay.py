@@ -39,6 +39,7 @@ import os
 import re
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -226,14 +227,24 @@ def bench_park(t: Target, streams: int, secs: float) -> dict[str, float]:
 
 
 def start_baseline_sidecar(up: int, tree: Path) -> SidecarProcess:
-    """The sidecar of another checkout, started with that checkout's interpreter and cwd."""
-    cfg = ephemeral_config(f"http://127.0.0.1:{up}", upstream_max_idle=4096, metrics_listen=None)
+    """The sidecar of another checkout, started with that checkout's interpreter and cwd.
+
+    Given as flags: the options that checkout's table has; the loop and the log level
+    also go by variable, which a checkout from before they were options reads.
+    """
+    cfg = ephemeral_config(f"http://127.0.0.1:{up}", upstream_max_idle=4096,
+                           metrics_listen=None, log_level="WARNING")  # fmt: skip
     env = {"LLAMA_SIDECAR_UVLOOP": "0", "LLAMA_SIDECAR_LOG_LEVEL": "WARNING"}
+    python = str(tree / ".venv" / "bin" / "python")
+    known = subprocess.run(
+        [python, "-c", "from sidecar.config import OPTIONS; print(*(o.name for o in OPTIONS))"],
+        cwd=tree, capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
     exe, cwd = sys.executable, os.getcwd()
-    sys.executable = str(tree / ".venv" / "bin" / "python")
+    sys.executable = python
     os.chdir(tree)  # `python -c` imports from its working directory first
     try:
-        return start_subprocess(cfg, env=env)
+        return start_subprocess(cfg, env=env, names=known)
     finally:
         sys.executable = exe
         os.chdir(cwd)
@@ -244,9 +255,10 @@ def start_sidecar(up: int, client: str, uvloop: bool) -> SidecarProcess:
         f"http://127.0.0.1:{up}",
         upstream_max_idle=4096,
         metrics_listen=None,
+        log_level="WARNING",
+        uvloop=uvloop,
     )
-    env = {"LLAMA_SIDECAR_UVLOOP": "1" if uvloop else "0", "LLAMA_SIDECAR_LOG_LEVEL": "WARNING"}
-    return start_subprocess(cfg, env=env)
+    return start_subprocess(cfg)
 
 
 def main() -> None:

@@ -9,13 +9,17 @@ from :data:`OPTIONS`:
 * the environment variable ``LLAMA_SIDECAR_`` + the name in upper case
   (``LLAMA_SIDECAR_PARK_KEEPALIVE=0.5``), read by :meth:`Config.from_env` and
   by the ``proxy`` command (a flag beats the environment),
-* the ``proxy`` command's parameters and ``--help`` (:mod:`sidecar.cli.proxy`),
+* the parameters and ``--help`` of the ``proxy`` command and of ``up``, which
+  takes every option but ``upstream`` (:mod:`sidecar.cli.options`),
 * the command line that reproduces a config in a child process
-  (:func:`config_argv`, used by ``up`` and by ``tests/support/sidecar.py``'s ``start_subprocess``).
+  (:func:`config_argv`, used by ``up`` and by ``tests/support/sidecar.py``'s ``start_subprocess``),
+* the option tables of the docs (``python -m sidecar.cli.options --write``; a test
+  fails when a table differs).
 
 A flag and its variable take the same text and are parsed by the same
 :meth:`Option.parse`; for an option that may be unset, the empty string means
-unset (``--metrics-listen ""`` disables the metrics listener).  Addresses are
+unset (``--metrics-listen ""`` disables the metrics listener); a switch takes
+``1``/``0`` (also ``true``/``false``, ``yes``/``no``, ``on``/``off``).  Addresses are
 ``HOST:PORT`` (``[::1]:8081`` for IPv6); both listeners bind loopback by default.
 """
 
@@ -83,7 +87,7 @@ class Config:
     upstream: str = field(default="http://127.0.0.1:8080", metadata=_doc(
         "URL", "llama-server base URL (http://HOST:PORT; a path prefix is kept)."))
     listen: str = field(default="127.0.0.1:8081", metadata=_doc(
-        "HOST:PORT", "Proxy listen address (port 0: any free port)."))
+        "HOST:PORT", "Proxy listen address ([::1]:8081 for IPv6; port 0: any free port)."))
     metrics_listen: str | None = field(default="127.0.0.1:9464", metadata=_doc(
         "HOST:PORT", "Metrics listen address (/metrics, /healthz, /ready); empty to disable."))
     park_keepalive: float = field(default=1.0, metadata=_doc(
@@ -94,9 +98,10 @@ class Config:
         "SECONDS", "Answer 200 text/event-stream to a streaming request if upstream is silent "
         "this long (off by default: it turns a 4xx into a 200 plus an error event)."))
     drain_timeout: float = field(default=30.0, metadata=_doc(
-        "SECONDS", "On SIGTERM, how long running streams may finish."))
+        "SECONDS", "On SIGTERM, how long running streams may finish (the same under up)."))
     api_key: str | None = field(default=None, metadata=_doc(
-        "KEY", "Require 'Authorization: Bearer KEY' (or X-Api-Key) before forwarding (401)."))
+        "KEY", "Require 'Authorization: Bearer KEY' (or X-Api-Key) before forwarding (401); "
+        "/health stays open."))
     max_body: int = field(default=32 * MiB, metadata=_doc(
         "BYTES", "Largest request body (413 above)."))
     body_buffer: int = field(default=1 * MiB, metadata=_doc(
@@ -139,6 +144,11 @@ class Config:
     priority_default: int = field(default=0, metadata=_doc(
         "N", "Priority of the requests no rule matches, once any priority rule is set "
         "(a client's own \"priority\" field is then always overwritten)."))
+    log_level: str = field(default="INFO", metadata=_doc(
+        "LEVEL", "Logging level: DEBUG, INFO, WARNING or ERROR (the access log is INFO)."))
+    uvloop: bool = field(default=False, metadata=_doc(
+        "0|1", "Run on uvloop if it is installed (never required; it saves CPU per event and "
+        "costs a little in bulk, docs/benchmarks.md)."))
     # fmt: on
 
     def __post_init__(self) -> None:
@@ -163,6 +173,8 @@ class Config:
             raise ValueError("ready_poll must not be negative")
         if not 0.0 <= self.ready_min_free_kv < 1.0:
             raise ValueError("ready_min_free_kv is a share of the pool: 0 <= share < 1")
+        if self.log_level.upper() not in _LEVELS:
+            raise ValueError(f"log_level: one of {', '.join(_LEVELS)}, not {self.log_level!r}")
         # the priority options parse: a bad key list is a startup error, not a per-request one
         _ = self.priority_rules
 
@@ -204,12 +216,17 @@ class Config:
         return cls(**values)
 
 
+_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+_SWITCH = {"1": True, "true": True, "yes": True, "on": True,
+           "0": False, "false": False, "no": False, "off": False, "": False}  # fmt: skip
+
+
 @dataclass(frozen=True, slots=True)
 class Option:
     """One row of the table, derived from a :class:`Config` field."""
 
     name: str
-    type: type  # str, int or float
+    type: type  # str, int, float or bool
     optional: bool  # may be unset (None); the empty string unsets it
     default: Any
     help: str
@@ -228,14 +245,20 @@ class Option:
         if raw == "" and self.optional:
             return None
         try:
+            if self.type is bool:
+                return _SWITCH[raw.strip().lower()]
             return self.type(raw)
-        except ValueError:
-            what = {int: "an integer", float: "a number"}.get(self.type, "valid")
+        except (ValueError, KeyError):
+            what = {int: "an integer", float: "a number", bool: "1 or 0"}.get(self.type, "valid")
             raise ValueError(f"{self.flag} / {self.env}: not {what}: {raw!r}") from None
 
     def format(self, value: Any) -> str:
         """Value -> the text :meth:`parse` turns back into it."""
-        return "" if value is None else str(value)
+        if value is None:
+            return ""
+        if self.type is bool:
+            return "1" if value else "0"
+        return str(value)
 
 
 def _option(f: dataclasses.Field[Any], hint: Any) -> Option:
@@ -245,7 +268,7 @@ def _option(f: dataclasses.Field[Any], hint: Any) -> Option:
         optional, hint = True, args[0]
     if typing.get_origin(hint) is Literal:
         hint = str
-    assert hint in (str, int, float), f"Config.{f.name}: unsupported type {hint!r}"
+    assert hint in (str, int, float, bool), f"Config.{f.name}: unsupported type {hint!r}"
     return Option(f.name, hint, optional, f.default, f.metadata["help"], f.metadata["metavar"])
 
 

@@ -133,16 +133,14 @@ class _Reserve:
         return True
 
 
-def _use_uvloop() -> bool:
-    """uvloop is opt-in (``LLAMA_SIDECAR_UVLOOP=1``) and only if installed.
+def _use_uvloop(config: Config) -> bool:
+    """uvloop is opt-in (``--uvloop 1``, ``LLAMA_SIDECAR_UVLOOP=1``) and only if installed.
 
     docs/benchmarks.md ("Sidecar relay"): no consistent gain over asyncio for
     this workload (less CPU per event, but not reliably lower latency), so the
     default stays on the standard library loop.
     """
-    if os.environ.get("LLAMA_SIDECAR_UVLOOP", "0") not in ("1", "true", "yes"):
-        return False
-    return importlib.util.find_spec("uvloop") is not None
+    return config.uvloop and importlib.util.find_spec("uvloop") is not None
 
 
 def _url(addr: tuple[str, int] | None) -> str | None:

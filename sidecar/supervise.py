@@ -81,23 +81,27 @@ class Stopping(Exception):
 class UpConfig:
     server_bin: Path
     model: Path
-    host: str = "127.0.0.1"
-    port: int = 8081
+    # the sidecar's options (its upstream is llama-server below, whatever this one says)
+    sidecar: Config = field(default_factory=Config)
     server_host: str = "127.0.0.1"
     server_port: int = 8080
-    metrics_host: str = "127.0.0.1"
-    metrics_port: int = 9464
     parallel: int = 4
     ctx_size: int | None = None  # None: 4096 per slot
     preempt_ram: int = 4096  # MiB; 0 = off, -1 = unlimited
     ping_interval: int = 1
-    api_key: str | None = None
-    drain_timeout: float = 10.0
     startup_timeout: float = 300.0
     server_log: Path | None = None
     server_args: tuple[str, ...] = ()
     sidecar_args: tuple[str, ...] = ()
     server_env: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def host(self) -> str:
+        return self.sidecar.listen_addr[0]
+
+    @property
+    def port(self) -> int:
+        return self.sidecar.listen_addr[1]
 
     @property
     def server_url(self) -> str:
@@ -108,8 +112,11 @@ class UpConfig:
         return f"http://{_url_host(_connect_host(self.host))}:{self.port}"
 
     @property
-    def metrics_url(self) -> str:
-        return f"http://{_url_host(_connect_host(self.metrics_host))}:{self.metrics_port}/metrics"
+    def metrics_url(self) -> str | None:
+        addr = self.sidecar.metrics_addr
+        if addr is None:
+            return None
+        return f"http://{_url_host(_connect_host(addr[0]))}:{addr[1]}/metrics"
 
     @property
     def n_ctx(self) -> int:
@@ -163,22 +170,14 @@ _SIDECAR_MAIN = (
 
 
 def sidecar_argv(cfg: UpConfig) -> list[str]:
-    """The sidecar's command line: the options ``up`` decides, as flags.
+    """The sidecar's command line: every option of ``cfg.sidecar`` as a flag.
 
-    Every other option keeps its default or comes from its ``LLAMA_SIDECAR_*``
-    variable, which the child inherits; ``sidecar_args`` come last and so win.
+    ``up`` read them from its flags and the ``LLAMA_SIDECAR_*`` variables already
+    (the child inherits the variables, and the flags beat them); the upstream is
+    ``up``'s llama-server.  ``sidecar_args`` come last and so win.
     """
-    config = Config(
-        upstream=cfg.server_url,
-        listen=f"{_url_host(cfg.host)}:{cfg.port}",
-        metrics_listen=f"{_url_host(cfg.metrics_host)}:{cfg.metrics_port}",
-        drain_timeout=cfg.drain_timeout,
-        api_key=cfg.api_key,
-    )
-    names = ["upstream", "listen", "metrics_listen", "drain_timeout"]
-    if cfg.api_key:
-        names.append("api_key")
-    return [sys.executable, "-c", _SIDECAR_MAIN, *config_argv(config, names), *cfg.sidecar_args]
+    config = cfg.sidecar.replace(upstream=cfg.server_url)
+    return [sys.executable, "-c", _SIDECAR_MAIN, *config_argv(config), *cfg.sidecar_args]
 
 
 def port_in_use(host: str, port: int) -> bool:
@@ -197,9 +196,10 @@ def busy_ports(cfg: UpConfig) -> list[str]:
     """The listeners of `cfg` whose port is taken, as "what (host:port)" strings."""
     wanted = [
         ("llama-server", cfg.server_host, cfg.server_port, "--server-port"),
-        ("the sidecar", cfg.host, cfg.port, "--port"),
-        ("the sidecar's metrics", cfg.metrics_host, cfg.metrics_port, "--metrics-port"),
+        ("the sidecar", cfg.host, cfg.port, "--listen"),
     ]
+    if (metrics := cfg.sidecar.metrics_addr) is not None:
+        wanted.append(("the sidecar's metrics", *metrics, "--metrics-listen"))
     return [
         f"{what} ({_url_host(host)}:{port}; choose another with {flag})"
         for what, host, port, flag in wanted
@@ -483,7 +483,7 @@ class Supervisor:
         """Sidecar first (it drains streams that still need llama-server), then the server."""
         if self.sidecar.proc is not None and self.sidecar.alive():
             self.echo("[up] stopping the sidecar")
-        self.sidecar.stop(self.cfg.drain_timeout + 5.0)
+        self.sidecar.stop(self.cfg.sidecar.drain_timeout + 5.0)
         if self.server.proc is not None and self.server.alive():
             self.echo("[up] stopping llama-server")
         self.server.stop(15.0)

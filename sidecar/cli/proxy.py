@@ -1,7 +1,7 @@
 """``llama-sidecar proxy``: the sidecar alone in front of any llama-server.
 
 The options are the rows of :data:`sidecar.config.OPTIONS` (each also read from
-``LLAMA_SIDECAR_<NAME>``); they are parsed into a frozen
+``LLAMA_SIDECAR_<NAME>``; :mod:`sidecar.cli.options`); they are parsed into a frozen
 :class:`~sidecar.config.Config` and :func:`run_proxy` is called.  SIGTERM or SIGINT
 start a graceful drain (``--drain-timeout``); a second signal stops at once.
 Once both listeners are bound, one line is printed on stdout::
@@ -13,17 +13,17 @@ Once both listeners are bound, one line is printed on stdout::
 
 from __future__ import annotations
 
-import inspect
 import logging
 import signal
 import sys
-from typing import Annotated, Any
+from typing import Any
 
 import anyio
 import anyio.abc
 import typer
 
-from sidecar.config import ENV_PREFIX, OPTIONS, Config, environ_values
+from sidecar.cli.options import config_from, with_table
+from sidecar.config import Config
 from sidecar.server import Sidecar, _use_uvloop
 
 __all__ = ["main", "proxy", "run_proxy"]
@@ -31,18 +31,11 @@ __all__ = ["main", "proxy", "run_proxy"]
 
 def proxy(**given: Any) -> None:
     """Run the keepalive-aware reverse proxy in front of a llama-server."""
-    log_level = given.pop("log_level")
-    # click ignores an empty variable; for an option that may be unset the
-    # table reads it as "unset" (LLAMA_SIDECAR_METRICS_LISTEN= disables metrics).
-    raw = environ_values()
-    raw.update((name, text) for name, text in given.items() if text is not None)
-    try:
-        config = Config.from_text(raw)
-    except ValueError as exc:
-        raise typer.BadParameter(str(exc)) from exc
+    config = config_from(given)
     logging.basicConfig(
-        level=log_level.upper(), stream=sys.stderr, format="%(asctime)s %(name)s %(message)s"
-    )
+        level=config.log_level.upper(), stream=sys.stderr,
+        format="%(asctime)s %(name)s %(message)s",
+    )  # fmt: skip
     try:
         run_proxy(config)
     except OSError as exc:
@@ -50,33 +43,12 @@ def proxy(**given: Any) -> None:
         raise typer.Exit(1) from exc
 
 
-def _parameters() -> list[inspect.Parameter]:
-    """One typer option per row of :data:`sidecar.config.OPTIONS`, plus ``--log-level``.
-
-    Each arrives as text (from the flag or from its ``LLAMA_SIDECAR_*`` variable)
-    and is parsed by the table, so both spell values the same way.
-    """
-    params = []
-    for o in OPTIONS:
-        default = "off" if o.default is None else o.format(o.default) or '""'
-        info = typer.Option(o.flag, envvar=o.env, help=o.help, metavar=o.metavar,
-                            show_default=default)  # fmt: skip
-        params.append(inspect.Parameter(o.name, inspect.Parameter.KEYWORD_ONLY, default=None,
-                                        annotation=Annotated[str | None, info]))  # fmt: skip
-    level = typer.Option("--log-level", envvar=ENV_PREFIX + "LOG_LEVEL",
-                         help="Logging level (the access log is INFO).")  # fmt: skip
-    params.append(inspect.Parameter("log_level", inspect.Parameter.KEYWORD_ONLY,
-                                    default="INFO", annotation=Annotated[str, level]))  # fmt: skip
-    return params
-
-
-proxy.__signature__ = inspect.Signature(_parameters())  # type: ignore[attr-defined]
-proxy.__annotations__ = {p.name: p.annotation for p in proxy.__signature__.parameters.values()}  # type: ignore[attr-defined]
+with_table(proxy)
 
 
 def run_proxy(config: Config) -> None:
     """Serve until SIGTERM/SIGINT (graceful drain), blocking."""
-    options = {"use_uvloop": True} if _use_uvloop() else {}
+    options = {"use_uvloop": True} if _use_uvloop(config) else {}
     anyio.run(_main, config, backend="asyncio", backend_options=options)
 
 

@@ -7,13 +7,14 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import httpx
 import typer
 
 from sidecar.cli.build import build_binary
 from sidecar.cli.model import MODEL_HELP, describe_model, resolve_model, server_args_for
+from sidecar.cli.options import config_from, with_table
 from sidecar.paths import cache_dir
 from sidecar.supervise import Supervisor, UpConfig, server_supports
 
@@ -45,7 +46,7 @@ def _ready_banner(cfg: UpConfig, preempt: bool, page: bool = False) -> str:
         f"curl -N {cfg.sidecar_url}/v1/chat/completions "
         f"-H 'Content-Type: application/json' -d {shlex.quote(body)}"
     )
-    if cfg.api_key:
+    if cfg.sidecar.api_key:
         curl += " -H 'Authorization: Bearer $LLAMA_SIDECAR_API_KEY'"
     parking = (
         f"on ({'unlimited' if cfg.preempt_ram < 0 else f'{cfg.preempt_ram} MiB'} host RAM)"
@@ -59,7 +60,7 @@ def _ready_banner(cfg: UpConfig, preempt: bool, page: bool = False) -> str:
             page_line(cfg, page),
             f"  API (through the sidecar): {cfg.sidecar_url}/v1/chat/completions",
             f"  llama-server (direct):     {cfg.server_url}   metrics: {cfg.server_url}/metrics",
-            f"  sidecar metrics:           {cfg.metrics_url}",
+            f"  sidecar metrics:           {cfg.metrics_url or 'off'}",
             f"  model: {model_name}",
             f"  chat template: {template}",
             f"  slots: {cfg.parallel}   context: {cfg.n_ctx} tokens (shared)   parking: {parking}",
@@ -84,43 +85,42 @@ def up(
     ] = None,
     model: Annotated[
         str | None,
-        typer.Option("--model", "-m", help=MODEL_HELP, show_default=False),
+        typer.Option("--model", "-m", metavar="NAME|PATH", help=MODEL_HELP, show_default=False),
     ] = None,
     parallel: Annotated[
-        int, typer.Option("--parallel", "-np", min=1, help="llama-server slots.")
+        int, typer.Option("--parallel", "-np", min=1, metavar="N", help="llama-server slots.")
     ] = 4,
     ctx_size: Annotated[
         int | None,
-        typer.Option("--ctx-size", "-c", help="Shared KV pool in tokens (default: 4096 per slot)."),
+        typer.Option(
+            "--ctx-size",
+            "-c",
+            metavar="N",
+            help="Shared KV pool in tokens (default: 4096 per slot).",
+        ),
     ] = None,
     preempt_ram: Annotated[
         int,
         typer.Option(
-            help="MiB of host RAM for parked conversations (-1 unlimited, 0 = parking off)."
+            metavar="MiB",
+            help="MiB of host RAM for parked conversations (-1 unlimited, 0 = parking off).",
         ),
     ] = 4096,
-    host: Annotated[str, typer.Option(help="Address the sidecar listens on.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="Sidecar port.")] = 8081,
     server_port: Annotated[
-        int, typer.Option(help="llama-server port (always on loopback).")
+        int, typer.Option(metavar="PORT", help="llama-server port (always on loopback).")
     ] = 8080,
-    metrics_port: Annotated[int, typer.Option(help="Sidecar metrics port (loopback).")] = 9464,
     ping_interval: Annotated[
-        int, typer.Option(help="llama-server --sse-ping-interval in seconds (-1 disables pings).")
-    ] = 1,
-    api_key: Annotated[
-        str | None,
+        int,
         typer.Option(
-            envvar="LLAMA_SIDECAR_API_KEY", help="Require this bearer key at the sidecar."
+            metavar="S", help="llama-server --sse-ping-interval in seconds (-1 disables pings)."
         ),
-    ] = None,
-    drain_timeout: Annotated[
-        float, typer.Option(help="On stop, seconds the sidecar lets running streams finish.")
-    ] = 10.0,
+    ] = 1,
     server_bin: Annotated[
         Path | None,
         typer.Option(
-            envvar="LLAMA_SERVER_BIN", help="Use this llama-server binary instead of building."
+            envvar="LLAMA_SERVER_BIN",
+            metavar="PATH",
+            help="Use this llama-server binary instead of building.",
         ),
     ] = None,
     cuda: Annotated[
@@ -129,18 +129,22 @@ def up(
     server_log: Annotated[
         Path | None,
         typer.Option(
-            help="llama-server's log file (default: <cache>/logs/llama-server-<port>.log)."
+            metavar="PATH",
+            help="llama-server's log file (default: logs/llama-server-PORT.log in the cache).",
         ),
     ] = None,
     startup_timeout: Annotated[
-        float, typer.Option(help="Seconds to wait for the model to load.")
+        float, typer.Option(metavar="S", help="Seconds to wait for the model to load.")
     ] = 300.0,
+    **sidecar_options: Any,
 ) -> None:
     """Run the patched llama-server (unified KV, N slots, parking on) with the sidecar in front.
 
     Builds llama-server if needed, makes sure the model is there, waits until both answer,
     prints the URLs, restarts llama-server if it dies, and stops both on Ctrl-C or SIGTERM.
+    The sidecar takes every option of `llama-sidecar proxy` but the upstream (this server).
     """
+    sidecar = config_from(sidecar_options, upstream=f"http://127.0.0.1:{server_port}")
     try:
         binary = server_bin or build_binary(cuda=cuda)
         if not binary.is_file():
@@ -166,16 +170,12 @@ def up(
     cfg = UpConfig(
         server_bin=binary,
         model=model_path,
-        host=host,
-        port=port,
+        sidecar=sidecar,
         server_port=server_port,
-        metrics_port=metrics_port,
         parallel=parallel,
         ctx_size=ctx_size,
         preempt_ram=preempt_ram,
         ping_interval=ping_interval,
-        api_key=api_key,
-        drain_timeout=drain_timeout,
         startup_timeout=startup_timeout,
         server_log=server_log or cache_dir() / "logs" / f"llama-server-{server_port}.log",
         server_args=(*server_args_for(model_path), *(server_args or ())),
@@ -190,3 +190,6 @@ def up(
     if rc == 0:
         typer.echo("[up] stopped", err=True)
     raise typer.Exit(rc)
+
+
+with_table(up, exclude=["upstream"])

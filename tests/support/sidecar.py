@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import sys
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -45,7 +45,7 @@ def ephemeral_config(upstream: str, **overrides: object) -> Config:
 @contextmanager
 def run_in_thread(config: Config, registry: CollectorRegistry | None = None) -> Iterator[Sidecar]:
     """Run a sidecar on an event loop in a background thread; yield it once bound."""
-    options = {"use_uvloop": True} if _use_uvloop() else {}
+    options = {"use_uvloop": True} if _use_uvloop(config) else {}
     with start_blocking_portal("asyncio", options) as portal:
         sidecar = Sidecar(config, registry)
         future, _ = portal.start_task(sidecar.run)
@@ -84,11 +84,18 @@ class SidecarProcess:
 
 
 def start_subprocess(
-    config: Config, env: Mapping[str, str] | None = None, timeout: float = 20.0
+    config: Config,
+    env: Mapping[str, str] | None = None,
+    timeout: float = 20.0,
+    names: Iterable[str] | None = None,
 ) -> SidecarProcess:
-    """Start the sidecar CLI in a child process and wait until it listens."""
+    """Start the sidecar CLI in a child process and wait until it listens.
+
+    Every option of ``config`` is a flag, or only ``names`` (an older checkout's
+    sidecar knows fewer; the rest then comes from ``env`` or its defaults).
+    """
     process = ManagedProcess(
-        [sys.executable, "-c", _PROXY_MAIN, *config_argv(config)], "sidecar",
+        [sys.executable, "-c", _PROXY_MAIN, *config_argv(config, names)], "sidecar",
         {**(env or {}), "PYTHONUNBUFFERED": "1"}, ready=lambda p: _listening(p) is not None,
     )  # fmt: skip
     m = _listening(process.start(timeout))

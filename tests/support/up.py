@@ -101,8 +101,9 @@ class UpProcess(Service):
     def start(self, timeout: float = 180.0) -> UpProcess:
         cmd = [
             sys.executable, "-c", "from sidecar.cli import main; main()", "up",
-            "--port", str(self.port), "--server-port", str(self.server_port),
-            "--metrics-port", str(self.metrics_port), "--server-log", str(self.server_log),
+            "--listen", f"127.0.0.1:{self.port}", "--server-port", str(self.server_port),
+            "--metrics-listen", f"127.0.0.1:{self.metrics_port}",
+            "--server-log", str(self.server_log),
             *self.args,
         ]  # fmt: skip
         # A session of its own: a test can signal `up` alone, as a terminal would not.

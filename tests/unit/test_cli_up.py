@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from sidecar import supervise
+from sidecar.config import OPTIONS, Config
 from sidecar.supervise import Child, UpConfig, server_argv, sidecar_argv
 
 
@@ -45,12 +46,16 @@ def test_server_argv_extra_args_come_last_and_parking_can_be_off() -> None:
 
 
 def test_sidecar_argv() -> None:
-    argv = sidecar_argv(cfg(port=9000, server_port=9001, metrics_port=9002, api_key="k"))
+    sidecar = Config(listen="127.0.0.1:9000", metrics_listen="127.0.0.1:9002", api_key="k")
+    argv = sidecar_argv(cfg(sidecar=sidecar, server_port=9001))
     assert opt(argv, "--upstream") == "http://127.0.0.1:9001"
     assert opt(argv, "--listen") == "127.0.0.1:9000"
     assert opt(argv, "--metrics-listen") == "127.0.0.1:9002"
     assert opt(argv, "--api-key") == "k"
-    assert opt(argv, "--drain-timeout") == "10.0"
+    # the table's default: up and proxy drain alike
+    assert opt(argv, "--drain-timeout") == "30.0"
+    # every option goes to the child, so what up read wins over what the child inherits
+    assert all(o.flag in argv for o in OPTIONS)
 
 
 @pytest.mark.parametrize(
@@ -59,7 +64,8 @@ def test_sidecar_argv() -> None:
      ("::", "http://[::1]:8081"), ("::1", "http://[::1]:8081")],
 )  # fmt: skip
 def test_sidecar_url_connects_to_loopback_for_wildcards(host: str, url: str) -> None:
-    assert cfg(host=host).sidecar_url == url
+    listen = f"[{host}]:8081" if ":" in host else f"{host}:8081"
+    assert cfg(sidecar=Config(listen=listen)).sidecar_url == url
 
 
 def test_backoff_doubles_to_the_cap_and_resets_after_a_stable_run() -> None:
@@ -76,6 +82,15 @@ def test_busy_ports_names_the_listener_and_the_flag() -> None:
         s.listen()
         taken = s.getsockname()[1]
         assert supervise.port_in_use("127.0.0.1", taken)
-        busy = supervise.busy_ports(cfg(server_port=taken, port=0, metrics_port=0))
+        sidecar = Config(listen="127.0.0.1:0", metrics_listen="127.0.0.1:0")
+        busy = supervise.busy_ports(cfg(server_port=taken, sidecar=sidecar))
         assert busy == [f"llama-server (127.0.0.1:{taken}; choose another with --server-port)"]
+        sidecar = Config(listen=f"127.0.0.1:{taken}", metrics_listen=f"127.0.0.1:{taken}")
+        busy = supervise.busy_ports(cfg(server_port=0, sidecar=sidecar))
+        assert busy == [
+            f"the sidecar (127.0.0.1:{taken}; choose another with --listen)",
+            f"the sidecar's metrics (127.0.0.1:{taken}; choose another with --metrics-listen)",
+        ]
+        sidecar = Config(listen="127.0.0.1:0", metrics_listen=None)
+        assert supervise.busy_ports(cfg(server_port=0, sidecar=sidecar)) == []
     assert not supervise.port_in_use("127.0.0.1", taken)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields
 
 import pytest
@@ -154,6 +155,8 @@ SAMPLES: dict[str, object] = {
     "priority_keys": "gold=10,batch=-5",
     "priority_header": "X-Priority",
     "priority_default": -1,
+    "log_level": "DEBUG",
+    "uvloop": True,
 }
 
 
@@ -220,3 +223,85 @@ def test_bad_flag_value_names_the_option(monkeypatch: pytest.MonkeyPatch) -> Non
     result = CliRunner().invoke(app, ["proxy", "--max-body", "lots"])
     assert result.exit_code != 0
     assert "--max-body" in result.output
+
+
+def test_up_takes_every_option_but_upstream(monkeypatch: pytest.MonkeyPatch) -> None:
+    from typer.testing import CliRunner
+
+    from sidecar.cli import app
+
+    result = CliRunner().invoke(app, ["up", "--help"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0
+    for o in OPTIONS:
+        shown = re.search(rf"{o.flag}(?![-\w])", result.output) is not None
+        assert shown is (o.name != "upstream"), o.name
+
+
+def _run_up(args: list[str], env: dict[str, str], monkeypatch: pytest.MonkeyPatch) -> Config:
+    """The sidecar config `up` would start its child with (nothing is built or run)."""
+    from pathlib import Path
+
+    from typer.testing import CliRunner
+
+    from sidecar.cli import app
+    from sidecar.cli import up as up_cli
+
+    seen: list[Config] = []
+
+    class Supervisor:
+        def __init__(self, cfg: object, preempt: bool) -> None:
+            seen.append(cfg.sidecar)  # type: ignore[attr-defined]
+
+        def run(self, on_ready: object) -> int:
+            return 0
+
+    monkeypatch.setattr(up_cli, "Supervisor", Supervisor)
+    monkeypatch.setattr(up_cli, "resolve_model", lambda model: Path("/m.gguf"))
+    monkeypatch.setattr(up_cli, "server_args_for", lambda path: ())
+    monkeypatch.setattr(up_cli, "server_supports", lambda binary, flag: True)
+    for o in OPTIONS:
+        monkeypatch.delenv(o.env, raising=False)
+    result = CliRunner().invoke(app, ["up", "--server-bin", "/bin/sh", *args], env=env)
+    assert result.exit_code == 0, result.output
+    return seen[0]
+
+
+@pytest.mark.parametrize("option", [o for o in OPTIONS if o.name != "upstream"],
+                         ids=lambda o: o.name)  # fmt: skip
+def test_up_passes_every_option_on(option: Option, monkeypatch: pytest.MonkeyPatch) -> None:
+    text = option.format(SAMPLES[option.name])
+    expected = Config(upstream="http://127.0.0.1:8080").replace(
+        **{option.name: SAMPLES[option.name]}
+    )
+    assert _run_up([option.flag, text], {}, monkeypatch) == expected
+    assert _run_up([], {option.env: text}, monkeypatch) == expected
+
+
+def test_up_drains_as_long_as_proxy(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _run_up([], {}, monkeypatch).drain_timeout == Config().drain_timeout == 30.0
+
+
+@pytest.mark.parametrize(
+    ("text", "value"),
+    [("1", True), ("true", True), ("Yes", True), ("on", True),
+     ("0", False), ("false", False), ("no", False), ("off", False), ("", False)],
+)  # fmt: skip
+def test_a_switch_takes_one_or_zero_and_their_words(text: str, value: bool) -> None:
+    assert Config.from_env({"LLAMA_SIDECAR_UVLOOP": text}).uvloop is value
+
+
+def test_a_switch_refuses_anything_else() -> None:
+    with pytest.raises(ValueError, match="--uvloop / LLAMA_SIDECAR_UVLOOP: not 1 or 0"):
+        Config.from_env({"LLAMA_SIDECAR_UVLOOP": "maybe"})
+
+
+def test_log_level_is_a_level() -> None:
+    assert Config(log_level="warning").log_level == "warning"
+    with pytest.raises(ValueError, match="log_level"):
+        Config(log_level="LOUD")
+
+
+def test_uvloop_only_when_asked() -> None:
+    from sidecar.server import _use_uvloop
+
+    assert _use_uvloop(Config()) is False

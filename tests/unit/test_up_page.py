@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from sidecar.cli.up import _ready_banner, has_page
+from sidecar.config import Config
 from sidecar.supervise import UpConfig
 
 
@@ -52,7 +53,8 @@ def test_the_banner_leads_with_the_page_or_says_there_is_none(
     assert has_page(url) is with_ui
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
-    cfg = UpConfig(server_bin=Path("/bin/llama-server"), model=model, port=18081)
+    sidecar = Config(listen="127.0.0.1:18081")
+    cfg = UpConfig(server_bin=Path("/bin/llama-server"), model=model, sidecar=sidecar)
     lines = _ready_banner(cfg, True, has_page(url)).splitlines()
     first = lines[lines.index("llama-sidecar is up") + 1]
     if with_ui:
