@@ -244,36 +244,36 @@ rm -rf "$tree"; mv "$tree.new" "$tree"
 # file) and node version, into $cache/ui/dist-KEY, and copied into tools/ui/dist, where CMake
 # finds them. node_modules stays in $cache/ui/work and is installed again (`npm ci`, the lock
 # file as shipped) only when the lock file changes. The npm output goes to a log; the terminal
-# gets one line.
+# gets one line when it starts and one when it is done.
+# A UI not cached yet is built in the background, beside the compile: npm ci mostly waits on
+# the network and the disk, and vite on one core at a time, while none of the libraries
+# llama-server links needs the page (only llama-server's own target embeds it, compiled last).
 ui_failed() {
     echo "---- last lines of $ui_log ----" >&2
     tail -20 "$ui_log" >&2
     die "the web UI's $1 failed after $(elapsed "$ui_t0") (full log: $ui_log)" \
         "read the log's end above (npm ci needs the npm registry, or its cache); to build without the chat page: $0 --no-ui"
 }
-build_ui() {
-    local work="$ui_cache/work" lock_sum install=1
-    ui_log="$ui_cache/build.log" ui_t0=$SECONDS
-    lock_sum=$(sha256sum "$ui_src/package-lock.json" | cut -d' ' -f1)
-    [ "$(cat "$work/node_modules/.llama-sidecar-lock" 2>/dev/null)" != "$lock_sum" ] || install=0
-    say "building the web UI from tools/ui: $([ "$install" = 1 ] && echo "npm ci, ")vite build (log: $ui_log)"
+build_ui() {  # runs in the background: no terminal output; $ui_status says which step failed
+    local work="$ui_cache/work"
+    [ ! -f "$ui_out/index.html" ] || return 0  # another build made it while this one waited
     mkdir -p "$work"
     find "$work" -mindepth 1 -maxdepth 1 ! -name node_modules -exec rm -rf {} +
     cp -a "$ui_src/." "$work/"
     : > "$ui_log"
-    if [ "$install" = 1 ]; then
+    if [ "$ui_install" = 1 ]; then
         echo "\$ npm ci --no-audit --no-fund" >>"$ui_log"
-        (cd "$work" && npm ci --no-audit --no-fund) >>"$ui_log" 2>&1 || ui_failed "npm ci"
-        mkdir -p "$work/node_modules"; echo "$lock_sum" > "$work/node_modules/.llama-sidecar-lock"
+        (cd "$work" && npm ci --no-audit --no-fund) >>"$ui_log" 2>&1 || { echo "npm ci" > "$ui_status"; return 1; }
+        mkdir -p "$work/node_modules"; echo "$ui_lock_sum" > "$work/node_modules/.llama-sidecar-lock"
     fi
     rm -rf "$ui_out.new"
     echo "\$ npm run build" >>"$ui_log"
-    (cd "$work" && LLAMA_UI_OUT_DIR="$ui_out.new" npm run build) >>"$ui_log" 2>&1 || ui_failed "build (npm run build)"
-    [ -f "$ui_out.new/index.html" ] || ui_failed "build (no index.html in its output)"
+    (cd "$work" && LLAMA_UI_OUT_DIR="$ui_out.new" npm run build) >>"$ui_log" 2>&1 \
+        || { echo "build (npm run build)" > "$ui_status"; return 1; }
+    [ -f "$ui_out.new/index.html" ] || { echo "build (no index.html in its output)" > "$ui_status"; return 1; }
     rm -rf "$ui_out"; mv "$ui_out.new" "$ui_out"
-    say "web UI built in $(elapsed "$ui_t0")"
 }
-ui_info="none"
+ui_info="none" ui_pid=""
 if [ "$ui" = 1 ]; then
     ui_src="$tree/tools/ui"
     [ -f "$ui_src/package.json" ] || die "the tree has no tools/ui/package.json" "build without the web UI: $0 --no-ui"
@@ -281,20 +281,33 @@ if [ "$ui" = 1 ]; then
                 | LC_ALL=C sort -z | xargs -0 sha256sum; } | sha256sum | cut -c1-16)
     ui_cache="$cache/ui"
     ui_out="$ui_cache/dist-$ui_key"
+    ui_log="$ui_cache/build.log"
+    ui_status="$work/ui-failed-step"
     mkdir -p "$ui_cache"
-    # One UI build at a time (the variants share the work directory).
-    exec 8>"$ui_cache/.lock"
-    if command -v flock >/dev/null 2>&1; then flock 8; fi
+    rm -rf "$ui_src/dist" "$ui_status"
     if [ -f "$ui_out/index.html" ]; then
         say "web UI: cached ($ui_out)"
     else
-        build_ui
+        ui_lock_sum=$(sha256sum "$ui_src/package-lock.json" | cut -d' ' -f1) ui_install=1
+        [ "$(cat "$ui_cache/work/node_modules/.llama-sidecar-lock" 2>/dev/null)" != "$ui_lock_sum" ] || ui_install=0
+        say "building the web UI from tools/ui: $([ "$ui_install" = 1 ] && echo "npm ci, ")vite build, beside the compile (log: $ui_log)"
+        ui_t0=$SECONDS
+        # Its own process group (job control, for this one job), so that a failed build can
+        # stop it with all of npm's children. One UI build at a time (the variants share the
+        # work directory).
+        set -m
+        (
+            exec 8>"$ui_cache/.lock"
+            if command -v flock >/dev/null 2>&1; then flock 8; fi
+            build_ui
+        ) </dev/null &
+        ui_pid=$!
+        set +m
     fi
-    exec 8>&-
-    rm -rf "$ui_src/dist"
-    cp -a "$ui_out" "$ui_src/dist"
     ui_info="$ui_out"
 fi
+ui_stop() { [ -z "$ui_pid" ] || kill -TERM -- "-$ui_pid" 2>/dev/null || true; }
+trap ui_stop EXIT
 
 # ---- configure and build ----------------------------------------------------------------------
 # The compiler's output goes to the log (kept in the cache); the terminal gets one progress
@@ -330,16 +343,66 @@ progress() {  # runs in the background while the compiler runs; reads the log
 say "compiling $kind llama-server with $jobs jobs (full log: $log)"
 t_build=$SECONDS
 monitor=""
+compile_pid=""
+cleanup() {
+    [ -z "$monitor" ] || kill "$monitor" 2>/dev/null || true
+    [ -z "$compile_pid" ] || kill -TERM -- "-$compile_pid" 2>/dev/null || true
+    ui_stop
+}
+trap cleanup EXIT
 if [ "$quiet" = 0 ]; then
     progress "$t_build" & monitor=$!
-    trap 'kill "$monitor" 2>/dev/null || true' EXIT
 fi
 status=0
-cmake --build "$build" --target llama-server -j "$jobs" >"$log" 2>&1 || status=$?
+: > "$log"
+if [ -n "$ui_pid" ]; then
+    # While the UI builds: the libraries llama-server links that do not need the page (those
+    # of this tree; a --src tree may have none of them). In a process group of their own, so
+    # that a UI build failing meanwhile stops them at once rather than after the compile.
+    help=$(cmake --build "$build" --target help 2>/dev/null || true)
+    before=()
+    for target in server-context cpp-httplib; do
+        if grep -qE "^\.\.\. $target( |\$)" <<<"$help"; then before+=("$target"); fi
+    done
+    if [ "${#before[@]}" -gt 0 ]; then
+        set -m
+        cmake --build "$build" --target "${before[@]}" -j "$jobs" </dev/null >>"$log" 2>&1 &
+        compile_pid=$!
+        set +m
+        while kill -0 "$compile_pid" 2>/dev/null; do
+            if [ -s "$ui_status" ]; then  # written as the UI build fails
+                kill -TERM -- "-$compile_pid" 2>/dev/null || true
+                break
+            fi
+            sleep 1
+        done
+        wait "$compile_pid" || status=$?
+        compile_pid=""
+    fi
+    ui_rc=0
+    if [ "$status" != 0 ] && [ ! -s "$ui_status" ]; then
+        ui_stop  # the compile failed: its errors are reported below, the page is not needed
+    else
+        wait "$ui_pid" || ui_rc=$?
+    fi
+    ui_pid=""
+    if [ -t 2 ] && [ -n "$monitor" ]; then printf '\r\033[K' >&2; fi  # the line replaces the progress line
+    if [ "$ui_rc" != 0 ] && [ "$status" = 0 ] || [ -s "$ui_status" ]; then
+        cleanup; monitor=""
+        ui_failed "$(cat "$ui_status" 2>/dev/null || echo build)"
+    fi
+    [ "$status" != 0 ] || say "web UI built in $(elapsed "$ui_t0")"
+fi
+if [ "$ui" = 1 ] && [ "$status" = 0 ]; then
+    cp -a "$ui_out" "$ui_src/dist"
+fi
+if [ "$status" = 0 ]; then
+    cmake --build "$build" --target llama-server -j "$jobs" >>"$log" 2>&1 || status=$?
+fi
 if [ -n "$monitor" ]; then
     kill "$monitor" 2>/dev/null || true
     wait "$monitor" 2>/dev/null || true
-    trap - EXIT
+    monitor=""
     if [ -t 2 ]; then printf '\n' >&2; fi
 fi
 if [ "$status" != 0 ] || [ ! -x "$build/bin/llama-server" ]; then

@@ -28,10 +28,13 @@ PACKAGE = {"name": "standin-ui", "version": "1.0.0", "private": True,
 LOCK = {"name": "standin-ui", "version": "1.0.0", "lockfileVersion": 3, "requires": True,
         "packages": {"": {"name": "standin-ui", "version": "1.0.0"}}}  # fmt: skip
 # Writes the page into LLAMA_UI_OUT_DIR (as llama.cpp's svelte.config.js does) and counts its
-# runs in STANDIN_UI_RUNS; STANDIN_UI_FAIL makes it fail the way a broken build does.
+# runs in STANDIN_UI_RUNS; STANDIN_UI_FAIL makes it fail the way a broken build does;
+# STANDIN_MEET (a script, MEET below) first waits a while for the compile to be running too.
 BUILD_MJS = """\
 import fs from 'node:fs';
+import { execFileSync } from 'node:child_process';
 if (process.env.STANDIN_UI_FAIL) { console.error('vite: something broke'); process.exit(1); }
+if (process.env.STANDIN_MEET) execFileSync('sh', [process.env.STANDIN_MEET, 'ui', 'compile']);
 const out = process.env.LLAMA_UI_OUT_DIR;
 fs.mkdirSync(out, { recursive: true });
 fs.writeFileSync(out + '/index.html', fs.readFileSync('src/page.html'));
@@ -43,6 +46,30 @@ UI_PATCH = """\
 @@ -1 +1 @@
 -<p>chat</p>
 +<p>chat, patched</p>
+"""
+
+
+# Two steps meet when each sees that the other has begun: `meet.sh ME OTHER` marks ME as begun,
+# waits up to 30 s for OTHER, and records which it saw. Run one after the other, they do not.
+MEET = """\
+touch "$STANDIN_MEET_DIR/$1"
+for _ in $(seq 150); do
+    if [ -e "$STANDIN_MEET_DIR/$2" ]; then echo "$1 met $2" >> "$STANDIN_MEET_DIR/log"; exit 0; fi
+    sleep 0.2
+done
+echo "$1 alone" >> "$STANDIN_MEET_DIR/log"
+"""
+# As in llama.cpp: a library llama-server links that does not need the page (its compile
+# meets the UI's build), and llama-server's own target, which takes the page from
+# tools/ui/dist at build time (ui-assets.cmake does, into ui.cpp).
+LIKE_LLAMA_CPP = """
+add_custom_command(OUTPUT sc.c COMMAND sh $ENV{STANDIN_MEET} compile ui
+                   COMMAND ${CMAKE_COMMAND} -E copy ${CMAKE_SOURCE_DIR}/sc.c.in sc.c)
+add_library(server-context STATIC sc.c)
+add_custom_target(ui-assets COMMAND ${CMAKE_COMMAND} -E copy
+    ${CMAKE_SOURCE_DIR}/tools/ui/dist/index.html ${CMAKE_BINARY_DIR}/embedded.html)
+add_dependencies(llama-server ui-assets)
+target_link_libraries(llama-server server-context)
 """
 
 
@@ -170,3 +197,46 @@ def test_a_failing_ui_build_names_its_log_and_the_way_out(tmp_path: Path) -> Non
     ok = ui_build(co, cache, src, tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert runs(tmp_path) == 1
+
+
+def like_llama_cpp(src: Path) -> None:
+    with open(src / "CMakeLists.txt", "a") as f:
+        f.write(LIKE_LLAMA_CPP)
+    (src / "sc.c.in").write_text("int sc(void) { return 0; }\n")
+
+
+def test_the_ui_builds_beside_the_compile_and_is_in_place_for_llama_server(
+    tmp_path: Path,
+) -> None:
+    cache = tmp_path / "cache"
+    co, src = checkout(tmp_path), with_ui(standin_tree(tmp_path))
+    like_llama_cpp(src)
+    (tmp_path / "meet.sh").write_text(MEET)
+    (tmp_path / "meet").mkdir()
+    proc = ui_build(co, cache, src, tmp_path, STANDIN_MEET=str(tmp_path / "meet.sh"),
+                    STANDIN_MEET_DIR=str(tmp_path / "meet"))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert sorted((tmp_path / "meet/log").read_text().splitlines()) == [
+        "compile met ui", "ui met compile"]  # fmt: skip
+    assert "beside the compile" in proc.stderr
+    assert re.search(r"web UI built in \dm\d\ds", proc.stderr), proc.stderr
+    # llama-server's own step found the page in the tree.
+    (embedded,) = (cache / "work").glob("*/build-patched/embedded.html")
+    assert embedded.read_text() == "<p>chat</p>\n"
+
+
+def test_a_ui_build_failing_beside_the_compile_stops_it(tmp_path: Path) -> None:
+    cache = tmp_path / "cache"
+    co, src = checkout(tmp_path), with_ui(standin_tree(tmp_path))
+    like_llama_cpp(src)
+    # The compile waits for a UI build that fails before it begins: alone, it would wait 30 s.
+    (tmp_path / "meet.sh").write_text(MEET)
+    (tmp_path / "meet").mkdir()
+    proc = ui_build(co, cache, src, tmp_path, STANDIN_UI_FAIL="1",
+                    STANDIN_MEET=str(tmp_path / "meet.sh"),
+                    STANDIN_MEET_DIR=str(tmp_path / "meet"))  # fmt: skip
+    assert proc.returncode == 1
+    assert "the web UI's build (npm run build) failed" in proc.stderr
+    assert "vite: something broke" in proc.stderr
+    assert not (tmp_path / "meet/log").exists()  # stopped while it waited, not after
+    assert not list((cache / "bin").glob("*/llama-server"))
