@@ -90,7 +90,7 @@ def test_describe_model_says_whether_there_is_a_chat_template(tmp_path: Path) ->
 
 
 def test_up_help_lists_the_named_models() -> None:
-    result = CliRunner().invoke(app, ["up", "--help"], terminal_width=300)
+    result = CliRunner().invoke(app, ["up", "--help"], env={"COLUMNS": "300"})
     assert result.exit_code == 0, result.output
     for name in MODELS:
         assert name in result.output
