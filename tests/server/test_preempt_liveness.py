@@ -219,6 +219,13 @@ def test_a_text_request_beside_image_slots_that_cannot_be_parked_completes(
 # an image chunk that does not fit ------------------------------------------------------------
 
 
+def slow_mmproj() -> Path:
+    """A projector for the slow model: image requests that generate slowly enough for a second
+    request to meet them at a size read from /slots."""
+    spec = MmprojSpec(n_embd_text=SPECS["slow"].n_embd)
+    return cached(cache_dir() / "models" / spec.file_name, lambda p: write_mmproj(p, spec))
+
+
 def test_an_image_chunk_that_does_not_fit_is_treated_as_a_prompt_that_does_not_fit(
     start_server: StartServer, slow_model: Path,
 ) -> None:
@@ -229,10 +236,8 @@ def test_an_image_chunk_that_does_not_fit_is_treated_as_a_prompt_that_does_not_f
     decode was answered 500 "failed to process mtmd chunk", nothing parked (the fuzz harness met
     it with mixed seed 4795). It now gets what a prompt batch that does not fit gets: the last
     resort parks a slot (the image request: A leads), and both requests complete."""
-    spec = MmprojSpec(n_embd_text=SPECS["slow"].n_embd)
-    mmproj = cached(cache_dir() / "models" / spec.file_name, lambda p: write_mmproj(p, spec))
-    srv = start_server(model=slow_model, args=[*BASE, *PARK, "--mmproj", str(mmproj), "-c", "256",
-                                               "-np", "2"], env=PLANNER_OFF)
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "--mmproj", str(slow_mmproj()),
+                                               "-c", "256", "-np", "2"], env=PLANNER_OFF)
     marker = httpx.get(f"{srv.url}/props", timeout=10).json()["media_marker"]
     prompt = image_prompt([*(png(128, 48, 20 + i) for i in range(4)), " what is it?"], marker)
     ta: dict[str, Any] = {}
@@ -315,6 +320,44 @@ def test_a_family_restored_member_by_member_is_parked_member_by_member(
     # parked whole once, then at least one member again on its own
     parks = sorted(f["preempt"]["parks"] for f in fam_finals.values())
     assert parks[0] >= 1 and parks[-1] >= 2, parks
+    m = wait_settled(srv.url)
+    assert m["n_resume_total"] == m["n_preempt_total"]
+    assert m["requests_preempted"] == 0
+
+
+def test_a_family_in_its_prompt_beside_a_leader_that_cannot_be_parked_waits(
+    start_server: StartServer, slow_model: Path,
+) -> None:
+    """Host pool blocks failing: an image request (43 + 190 cells) generates and cannot be parked
+    (swap only, no block); an n_cmpl 2 family with a 120-token prompt arrives when it holds about
+    143 cells, and its prompt does not fit beside it. A family was a victim only once every
+    member generated: the parent in its prompt (its child waiting for it, holding nothing) was
+    no candidate, the leader's park failed, and the stock error failed every slot of the batch,
+    the image request and the family with it (mixed fuzz seed 746, timing-dependent). The
+    parent in its prompt is the whole family now: it is parked (by recompute), the image request
+    completes, and so does the family after it, its child never parked."""
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "--mmproj", str(slow_mmproj()),
+                                               "-c", "256", "-np", "3"], env=FAIL_POOL)
+    marker = httpx.get(f"{srv.url}/props", timeout=10).json()["media_marker"]
+    prompt = image_prompt([*(png(128, 48, 30 + i) for i in range(2)), " what is it?"], marker)
+    ti: dict[str, Any] = {}
+    thread = threading.Thread(
+        target=lambda: ti.update(res=complete(srv.url, prompt, 190, timeout=600)), daemon=True)
+    thread.start()
+    # 143-233 cells when the family comes: its 120 prompt tokens do not fit beside them
+    wait_for(lambda: generating(srv.url, 100), what="the image request holding 143 cells",
+             timeout=240)
+    fam = bounded(srv, lambda: streamed(srv.url, body(token_prompt(120, 31), 16, n_cmpl=2)),
+                  loop_marker=PARK_LINE)
+    thread.join(300)
+    log = srv.log_text()
+    assert CONTEXT_ERROR not in log
+    got = ti["res"]
+    assert got.ok, got.error
+    assert got.n_predicted == 190
+    finals = assert_complete(fam, 2, [120], 16, multi_prompt=False, family=True)
+    parks = sorted(f["preempt"]["parks"] for f in finals.values())
+    assert parks[0] == 0 and parks[1] >= 1, parks
     m = wait_settled(srv.url)
     assert m["n_resume_total"] == m["n_preempt_total"]
     assert m["requests_preempted"] == 0
