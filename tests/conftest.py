@@ -73,7 +73,8 @@ StartServer = Callable[..., LlamaServer]
 @pytest.fixture
 def start_server(llama_server_bin: Path, tiny_model: Path,
                  tmp_path: Path) -> Iterator[StartServer]:
-    """Factory: start_server(model=..., args=[...], env={...}, binary=None) -> LlamaServer.
+    """Factory: start_server(model=..., args=[...], env={...}, binary=None, test_knobs=None)
+    -> LlamaServer (test_knobs: see LlamaServer).
 
     Every server it starts is stopped at teardown; its log stays in tmp_path.
     """
@@ -81,10 +82,11 @@ def start_server(llama_server_bin: Path, tiny_model: Path,
 
     def start(model: Path | None = None, args: Sequence[str] = (),
               env: Mapping[str, str] | None = None, binary: Path | None = None,
-              timeout: float = 120.0) -> LlamaServer:
+              timeout: float = 120.0, test_knobs: bool | None = None) -> LlamaServer:
         n = len(started)
         srv = LlamaServer(binary or llama_server_bin, model or tiny_model, list(args),
-                          dict(env or {}), log_path=tmp_path / f"llama-server-{n}.log")
+                          dict(env or {}), log_path=tmp_path / f"llama-server-{n}.log",
+                          test_knobs=test_knobs)
         started.append(srv)
         return srv.start(timeout=timeout)
 

@@ -96,6 +96,7 @@ def test_forced_parks_change_nothing(start_server: StartServer) -> None:
     assert got.preempt["recomputes"] == 0, got.preempt
 
     log = forced.log_text()
+    assert "test knobs on (--preempt-test-knobs)" in log
     assert "LLAMA_SERVER_PREEMPT_EVERY = 8" in log
     assert count_lines(log, ON_REQUEST_LINE) >= 6
     assert count_lines(log, PARK_LINE) >= 6
@@ -104,6 +105,39 @@ def test_forced_parks_change_nothing(start_server: StartServer) -> None:
     assert m["n_preempt_total"] >= 6
     assert m["preempt_recompute_total"] == 0
     assert not preempt_log_lines(plain.log_text())
+
+
+def test_knobs_need_the_switch(start_server: StartServer) -> None:
+    """The test knobs are read only with --preempt-test-knobs: without it, a server given all
+    seven parks nothing and fails nothing, and its log names each one as ignored."""
+    knobs = {
+        "LLAMA_SERVER_PREEMPT_EVERY": "8",
+        "LLAMA_SERVER_PREEMPT_PLANNER": "off",
+        "LLAMA_SERVER_PREEMPT_FAIL_SAVE": "1",
+        "LLAMA_SERVER_PREEMPT_ROTATE_S": "0",
+        "LLAMA_SERVER_PREEMPT_FAIL_POOL": "1",
+        "LLAMA_SERVER_PREEMPT_PREFAULT": "off",
+        "LLAMA_SERVER_PREEMPT_FAIL_SHIFT": "1",
+    }
+    args = [*BASE, *PARK, "-c", "512", "-np", "2"]
+    plain = start_server(args=args)
+    srv = start_server(args=args, env=knobs, test_knobs=False)
+
+    prompt = robust_prompts(plain.url, 1, 8, 64)[0]
+    ref = complete(plain.url, prompt, 64)
+    got = complete(srv.url, prompt, 64)
+
+    assert_same(got, ref, 64)
+    assert got.preempt == {"parks": 0, "recomputes": 0}
+    log = srv.log_text()
+    for name in knobs:
+        assert f"{name} is ignored: test knobs are read only with --preempt-test-knobs" in log
+        assert f"{name} = " not in log
+    assert "test knobs on" not in log
+    assert "background prefault on" in log
+    assert not preempt_log_lines(log)
+    m = assert_settled(srv.url)
+    assert m["n_preempt_total"] == 0
 
 
 # 2 ---------------------------------------------------------------------------------------------

@@ -21,6 +21,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.support.procs import ManagedProcess, ProcessDied, Service, free_port, http_ok
 from tests.support.sse_client import StreamLog, stream_sse
 
+# The patched server's test knobs (environment variables that force parks and failures).
+TEST_KNOB_PREFIX = "LLAMA_SERVER_PREEMPT_"
+
 # llama-server exited while starting (a rejected flag, a bad model): the log tail says why.
 ServerDied = ProcessDied
 
@@ -34,6 +37,9 @@ class LlamaServer(Service):
     log_path: Path | None = None
     port: int = 0
     process: ManagedProcess | None = None
+    # --preempt-test-knobs: the patched server reads the LLAMA_SERVER_PREEMPT_* test knobs only
+    # with it. None: on when `env` names one of them.
+    test_knobs: bool | None = None
 
     def start(self, timeout: float = 120.0) -> LlamaServer:
         self.port = self.port or free_port()
@@ -41,8 +47,12 @@ class LlamaServer(Service):
         # LLAMA_SERVER_EXTRA_ARGS is appended to every command line, e.g. "-ngl 99" to run
         # the server suite and the benchmarks on a GPU build.
         extra = shlex.split(os.environ.get("LLAMA_SERVER_EXTRA_ARGS", ""))
+        knobs = self.test_knobs
+        if knobs is None:
+            knobs = any(k.startswith(TEST_KNOB_PREFIX) for k in self.env)
         cmd = [str(self.binary), "-m", str(self.model), "--host", "127.0.0.1",
-               "--port", str(self.port), "--no-webui", *self.args, *extra]  # fmt: skip
+               "--port", str(self.port), "--no-webui", *self.args,
+               *(["--preempt-test-knobs"] if knobs else []), *extra]  # fmt: skip
         self.process = ManagedProcess(
             cmd, "llama-server", self.env, self.log_path, ready=http_ok(self.url + "/health", 1.0),
             echo_command=True,
