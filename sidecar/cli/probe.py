@@ -10,7 +10,7 @@ from urllib.parse import urlsplit
 
 import typer
 
-from sidecar.probe import (
+from sidecar.ops.probe import (
     DEFAULT_PATH,
     INTERRUPTED,
     NATIVE_PATH,

@@ -24,7 +24,7 @@ import typer
 
 from sidecar.cli.options import config_from, with_table
 from sidecar.config import Config
-from sidecar.server import Sidecar, _use_uvloop
+from sidecar.proxy.server import Sidecar, _use_uvloop
 
 __all__ = ["main", "proxy", "run_proxy"]
 

@@ -15,8 +15,8 @@ import typer
 from sidecar.cli.build import build_binary
 from sidecar.cli.model import MODEL_HELP, describe_model, resolve_model, server_args_for
 from sidecar.cli.options import config_from, with_table
+from sidecar.ops.supervise import Supervisor, UpConfig, server_supports
 from sidecar.paths import cache_dir
-from sidecar.supervise import Supervisor, UpConfig, server_supports
 
 
 def has_page(server_url: str) -> bool:

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from sidecar.chunked import ChunkedDecoder, whole_chunks
-from sidecar.notices import classify
-from sidecar.sse import SSEScanner
+from sidecar.core.chunked import ChunkedDecoder, whole_chunks
+from sidecar.core.notices import classify
+from sidecar.core.sse import SSEScanner
 
 
 def _event(i: int) -> bytes:

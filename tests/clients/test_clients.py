@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from sidecar.supervise import server_supports
+from sidecar.ops.supervise import server_supports
 from tests.support.nginx import NGINX, Nginx, start_nginx
 from tests.support.up import UpProcess
 

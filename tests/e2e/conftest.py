@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.supervise import server_supports
+from sidecar.ops.supervise import server_supports
 from tests.support import fake_upstream
 from tests.support.up import UpProcess
 

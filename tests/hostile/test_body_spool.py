@@ -15,7 +15,7 @@ import tempfile
 import anyio
 import pytest
 
-from sidecar.upstream import RequestBody
+from sidecar.proxy.upstream import RequestBody
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.fixtures import SidecarFactory
 from tests.support.rawclient import RawConn

@@ -7,7 +7,7 @@ garbage collection.  llama-server itself answers such a body with a 500 (its JSO
 refuses both).  Now the sidecar refuses it with a 400 that says why, closes the file at
 once, and forwards nothing.  Paired surrogate escapes (an emoji as ``\\ud83d\\ude00``) and
 escaped backslashes before a ``u`` are text and go through, whatever the split of the body
-into pieces (:class:`~sidecar.jsontext.TextCheck` is fed piece by piece).
+into pieces (:class:`~sidecar.core.jsontext.TextCheck` is fed piece by piece).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import random
 import anyio
 import pytest
 
-from sidecar.jsontext import BadText, TextCheck
+from sidecar.core.jsontext import BadText, TextCheck
 from tests.hostile.test_body_spool import open_temp_files
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.fixtures import SidecarFactory

@@ -18,7 +18,7 @@ import anyio
 import httpx
 import pytest
 
-from sidecar.readiness import PARKED
+from sidecar.core.readiness import PARKED
 from tests.support.fake_upstream import FakeUpstream, fake_upstream_in_thread, sse_head
 from tests.support.fixtures import SidecarFactory
 from tests.support.rawclient import RawConn

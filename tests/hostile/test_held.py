@@ -15,7 +15,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from sidecar.server import Sidecar
+from sidecar.proxy.server import Sidecar
 from tests.hostile.test_listeners import drip_until_answered
 from tests.support.fake_upstream import FakeUpstream, Script, chunk, sse_head
 from tests.support.fixtures import SidecarFactory

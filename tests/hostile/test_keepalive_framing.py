@@ -14,8 +14,8 @@ from typing import Any
 import anyio
 import pytest
 
-from sidecar.adapter import H11Stream
-from sidecar.server import Sidecar
+from sidecar.proxy.h11stream import H11Stream
+from sidecar.proxy.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream, chunk, sse_head
 from tests.support.fixtures import SidecarFactory
 from tests.support.rawclient import RawConn

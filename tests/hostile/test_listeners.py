@@ -21,9 +21,9 @@ import httpx
 import pytest
 from anyio.abc import SocketAttribute
 
-from sidecar.adapter import H11Stream
 from sidecar.config import config_argv
-from sidecar.server import Sidecar
+from sidecar.proxy.h11stream import H11Stream
+from sidecar.proxy.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream, chunk, fake_upstream_in_thread, sse_head
 from tests.support.fixtures import SidecarFactory
 from tests.support.procs import ManagedProcess

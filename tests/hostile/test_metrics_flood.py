@@ -17,8 +17,8 @@ from typing import Any
 import anyio
 import pytest
 
-from sidecar.metrics import RENDER_BURST, RENDER_RATE, RenderLimiter
-from sidecar.server import Sidecar
+from sidecar.proxy.metrics import RENDER_BURST, RENDER_RATE, RenderLimiter
+from sidecar.proxy.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.rawclient import RawConn
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from sidecar.adapter import MAX_PIPELINED
-from sidecar.server import Sidecar
+from sidecar.proxy.h11stream import MAX_PIPELINED
+from sidecar.proxy.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream, chunk, sse_head
 from tests.support.rawclient import RawConn
 from tests.support.samples import sample

@@ -7,7 +7,7 @@ the old list, bodies the old rewrite could not parse but llama-server can, a mul
 form, a compressed body, the prediction route that dispatches from inside its body.
 
 Three layers: a scripted upstream shows what the sidecar forwards (exact bytes); the
-route table of the pinned llama-server source shows that :mod:`sidecar.routes` knows
+route table of the pinned llama-server source shows that :mod:`sidecar.core.routes` knows
 every route (a new one fails here until it is classified); the real patched server, with
 a park forced every few tokens, shows from its own counters that no attack ran at a
 priority above the operator's.
@@ -23,9 +23,9 @@ from urllib.parse import urlsplit
 
 import pytest
 
+from sidecar.core.routes import GENERATING_ROUTES, OTHER_POST_ROUTES
 from sidecar.paths import cache_dir
-from sidecar.routes import GENERATING_ROUTES, OTHER_POST_ROUTES
-from sidecar.server import Sidecar
+from sidecar.proxy.server import Sidecar
 from tests.conftest import REPO, StartServer
 from tests.support.fake_upstream import FakeUpstream, fake_upstream_in_thread
 from tests.support.fixtures import SidecarFactory
@@ -206,10 +206,11 @@ def test_the_route_list_is_llama_servers_route_table() -> None:
     assert generating, "no generating handler found: has handle_completions_impl been renamed?"
     assert all(m == "post" for m, _, gen in table if gen), "a generating route that is not POST"
     assert generating == GENERATING_ROUTES, (
-        f"generating routes not in sidecar/routes.py: {sorted(generating - GENERATING_ROUTES)}; "
+        f"generating routes not in sidecar/core/routes.py: "
+        f"{sorted(generating - GENERATING_ROUTES)}; "
         f"listed but not generating: {sorted(GENERATING_ROUTES - generating)}")  # fmt: skip
     assert post - generating == OTHER_POST_ROUTES, (
-        f"POST routes sidecar/routes.py does not classify: {sorted(post - generating - OTHER_POST_ROUTES)}; "  # noqa: E501
+        f"POST routes sidecar/core/routes.py does not classify: {sorted(post - generating - OTHER_POST_ROUTES)}; "  # noqa: E501
         f"listed but not registered: {sorted(OTHER_POST_ROUTES - post)}")  # fmt: skip
 
 

@@ -17,7 +17,7 @@ import time
 import anyio
 import pytest
 
-from sidecar.server import Sidecar
+from sidecar.proxy.server import Sidecar
 from tests.hostile.load import measure_park, require_a_machine_that_keeps_time
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.fixtures import SidecarFactory

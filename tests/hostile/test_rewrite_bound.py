@@ -3,7 +3,7 @@
 The attack: with a priority rule on, three clients at once upload 30 MiB completion bodies
 made of ten million empty objects (``{},{},...``), the shape that costs a JSON parser the
 most per byte.  Parsing them held the interpreter for seconds (every stream stalled) and
-took 28 times the body in memory.  The splice (sidecar/priority.py) scans and copies the
+took 28 times the body in memory.  The splice (sidecar/core/priority.py) scans and copies the
 body in bounded steps: the sidecar's peak memory grows by a small multiple of
 ``--body-buffer``, not of the bodies.  The stall itself is measured beside a parked
 stream in the fairness run (tests/hostile/test_fairness.py, docs/benchmarks.md).

@@ -21,7 +21,7 @@ import anyio
 import pytest
 
 from sidecar.config import Config
-from sidecar.transport import TransportStream
+from sidecar.proxy.transport import TransportStream
 from tests.support.fake_upstream import FakeUpstream, Script, sse_head
 from tests.support.fixtures import SidecarFactory
 from tests.support.samples import sample

@@ -9,9 +9,9 @@ import time
 import anyio
 import pytest
 
-from sidecar.readiness import PARKED, Readiness, poll_upstream
-from sidecar.server import Sidecar
-from sidecar.sse import MAX_KEPT, Comment, SSEScanner
+from sidecar.core.readiness import PARKED, Readiness, poll_upstream
+from sidecar.core.sse import MAX_KEPT, Comment, SSEScanner
+from sidecar.proxy.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream, sse_head
 from tests.support.fixtures import SidecarFactory
 from tests.support.memnet import http_client

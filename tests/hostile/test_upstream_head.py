@@ -14,8 +14,8 @@ import time
 import anyio
 import pytest
 
-from sidecar.server import Sidecar
-from sidecar.upstream import MAX_HEAD, MAX_HEADERS, MAX_INTERIM
+from sidecar.proxy.server import Sidecar
+from sidecar.proxy.upstream import MAX_HEAD, MAX_HEADERS, MAX_INTERIM
 from tests.support.fake_upstream import FakeUpstream, Script
 from tests.support.fixtures import SidecarFactory
 from tests.support.rawclient import RawConn

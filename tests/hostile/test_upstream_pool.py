@@ -14,7 +14,7 @@ import os
 import anyio
 import pytest
 
-from sidecar.server import Sidecar
+from sidecar.proxy.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream, Script, sse_head
 from tests.support.rawclient import RawConn
 

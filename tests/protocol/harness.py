@@ -1,9 +1,9 @@
 """An Exchange between an in-memory client and a scripted in-memory upstream.
 
-:class:`Harness` owns a sidecar's shared state (:class:`~sidecar.relay.Context`
-with a fresh metrics registry and an :class:`~sidecar.upstream.UpstreamPool`
+:class:`Harness` owns a sidecar's shared state (:class:`~sidecar.proxy.relay.Context`
+with a fresh metrics registry and an :class:`~sidecar.proxy.upstream.UpstreamPool`
 whose ``connect`` makes :func:`~tests.protocol.memory.memory_pair` connections),
-runs the sidecar's connection loop (:func:`~sidecar.server.serve_connection`) for one
+runs the sidecar's connection loop (:func:`~sidecar.proxy.server.serve_connection`) for one
 client connection, and hands each upstream connection the sidecar opens to the test's
 script as an :class:`UpstreamEnd`.  No socket is opened anywhere.
 """
@@ -20,11 +20,11 @@ import h11
 from prometheus_client import CollectorRegistry
 
 from sidecar.config import Config
-from sidecar.metrics import Metrics
-from sidecar.relay import Context, Exchange
-from sidecar.server import serve_connection
-from sidecar.transport import TransportStream
-from sidecar.upstream import UpstreamPool
+from sidecar.proxy.metrics import Metrics
+from sidecar.proxy.relay import Context, Exchange
+from sidecar.proxy.server import serve_connection
+from sidecar.proxy.transport import TransportStream
+from sidecar.proxy.upstream import UpstreamPool
 from tests.protocol.memory import memory_pair
 
 PEER = "203.0.113.9"

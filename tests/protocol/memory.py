@@ -1,6 +1,6 @@
 """In-memory connections for driving an Exchange without sockets.
 
-:func:`memory_pair` joins two :class:`~sidecar.transport.TransportStream` objects
+:func:`memory_pair` joins two :class:`~sidecar.proxy.transport.TransportStream` objects
 with two :class:`MemoryTransport` objects: what one end writes reaches the other
 end's ``data_received`` on the next loop iteration (``call_soon``, as a real
 transport would deliver it, never inside the writer's call), in order.  Pausing
@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-from sidecar.transport import TransportStream
+from sidecar.proxy.transport import TransportStream
 
 
 class MemoryTransport(asyncio.Transport):

@@ -7,7 +7,7 @@ import json
 import anyio
 import pytest
 
-from sidecar.chunked import ChunkedDecoder
+from sidecar.core.chunked import ChunkedDecoder
 from tests.protocol.harness import PEER, Harness, UpstreamEnd
 
 pytestmark = pytest.mark.anyio

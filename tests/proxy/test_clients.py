@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from sidecar.server import Sidecar
+from sidecar.proxy.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream, Script, fake_upstream_in_thread, sse_head
 from tests.support.nginx import NGINX, Nginx
 from tests.support.procs import free_port

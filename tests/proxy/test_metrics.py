@@ -7,8 +7,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from sidecar.metrics import KNOWN_ROUTES
-from sidecar.server import Sidecar
+from sidecar.proxy.metrics import KNOWN_ROUTES
+from sidecar.proxy.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream, chunk, sse_head
 from tests.support.fixtures import SidecarFactory
 from tests.support.memnet import http_client

@@ -10,7 +10,7 @@ import anyio.lowlevel
 import httpx
 import pytest
 
-from sidecar.server import Sidecar
+from sidecar.proxy.server import Sidecar
 from tests.support.fake_upstream import FakeUpstream, chunk, sse_head
 from tests.support.fixtures import SidecarFactory
 from tests.support.memnet import http_client
@@ -341,6 +341,6 @@ async def test_pooled_upstream_adds_no_headers(
 
 
 def test_json_error_shape() -> None:
-    from sidecar.downstream import error_body
+    from sidecar.proxy.downstream import error_body
 
     assert json.loads(json.dumps(error_body(502, "x")))["error"]["type"] == "unavailable_error"

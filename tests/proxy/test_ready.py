@@ -6,7 +6,7 @@ import anyio
 import httpx
 import pytest
 
-from sidecar.readiness import PARKED
+from sidecar.core.readiness import PARKED
 from tests.support.fake_upstream import FakeUpstream, chunk, park_script, sse_head
 from tests.support.fixtures import SidecarFactory
 

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from sidecar.server import Sidecar
+from sidecar.proxy.server import Sidecar
 from tests.support import sse_client
 from tests.support.fake_upstream import SSE_HEADERS, FakeUpstream, chunk, park_script, sse_head
 from tests.support.fixtures import SidecarFactory

@@ -8,9 +8,9 @@ import socket
 import anyio
 import pytest
 
-from sidecar.chunked import ChunkedDecoder
-from sidecar.transport import READ_HIGH_WATER, TransportStream, accepted, connect
-from sidecar.upstream import Framing, ResponseHead, _BodySink
+from sidecar.core.chunked import ChunkedDecoder
+from sidecar.proxy.transport import READ_HIGH_WATER, TransportStream, accepted, connect
+from sidecar.proxy.upstream import Framing, ResponseHead, _BodySink
 
 pytestmark = pytest.mark.anyio
 CHUNKED = ResponseHead(200, b"OK", [], framing=Framing.CHUNKED)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.request import public_route
+from sidecar.proxy.request import public_route
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.fixtures import SidecarFactory
 from tests.support.memnet import http_client

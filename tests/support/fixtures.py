@@ -1,7 +1,7 @@
 """The sidecar fixtures the proxy and hostile suites share (their conftests import them).
 
 ``fake`` is a scripted :class:`~tests.support.fake_upstream.FakeUpstream`; ``sidecar_factory``
-starts a :class:`~sidecar.server.Sidecar` in the test's event loop (each with its own
+starts a :class:`~sidecar.proxy.server.Sidecar` in the test's event loop (each with its own
 metrics registry); ``sidecar`` is one in front of ``fake``.  In a test marked ``in_memory``
 all of them are on the ``net`` fixture's :class:`~tests.support.memnet.MemoryNet` instead
 of loopback sockets (the sidecar then has no listener: its drain and readiness poller are
@@ -18,8 +18,8 @@ import anyio
 import pytest
 from prometheus_client import CollectorRegistry
 
-from sidecar.server import Sidecar
-from sidecar.upstream import UpstreamPool
+from sidecar.proxy.server import Sidecar
+from sidecar.proxy.upstream import UpstreamPool
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.memnet import MemoryNet
 from tests.support.sidecar import ephemeral_config

@@ -5,7 +5,7 @@ fixture, and the shared fixtures (:mod:`tests.support.fixtures`) put the sidecar
 listeners and the fake upstream on it at made-up addresses (``sidecar.test``,
 ``upstream.test``): a connection is a :func:`~tests.protocol.memory.memory_pair` whose far
 end is handed to the listener's connection handler, so the sidecar runs its own connection
-loop (:meth:`~sidecar.server.Sidecar.serve_client`) and its upstream pool connects through
+loop (:meth:`~sidecar.proxy.server.Sidecar.serve_client`) and its upstream pool connects through
 :meth:`MemoryNet.connect`.  The clients find it by URL: :meth:`RawConn.open
 <tests.support.rawclient.RawConn.open>` and :func:`http_client` (an httpx client whose
 connections come from the net) reach a memory address through it and anything else
@@ -29,7 +29,7 @@ import anyio.abc
 import httpcore
 import httpx
 
-from sidecar.transport import TransportStream
+from sidecar.proxy.transport import TransportStream
 from tests.protocol.memory import memory_pair
 
 Handler = Callable[[TransportStream], Coroutine[Any, Any, None]]

@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from sidecar.metrics import PREFIX
-from sidecar.server import Sidecar
+from sidecar.proxy.metrics import PREFIX
+from sidecar.proxy.server import Sidecar
 
 
 def sample(sc: Sidecar, name: str, **labels: str) -> float:

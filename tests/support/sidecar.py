@@ -2,7 +2,7 @@
 
 * :func:`ephemeral_config`: a :class:`~sidecar.config.Config` with both listeners on free
   loopback ports (port 0) and readiness polling off unless asked for.
-* :func:`run_in_thread`: a :class:`~sidecar.server.Sidecar` on its own event loop in a
+* :func:`run_in_thread`: a :class:`~sidecar.proxy.server.Sidecar` on its own event loop in a
   background thread (for synchronous tests and tools); yields it once bound.
 * :func:`start_subprocess`: the ``proxy`` command in a child Python with every option of
   the config as a flag (:func:`~sidecar.config.config_argv`), a
@@ -22,7 +22,7 @@ from anyio.from_thread import start_blocking_portal
 from prometheus_client import CollectorRegistry
 
 from sidecar.config import Config, config_argv
-from sidecar.server import Sidecar, _use_uvloop
+from sidecar.proxy.server import Sidecar, _use_uvloop
 from tests.support.procs import ManagedProcess
 
 READY_RE = re.compile(r"listening on (http://\S+) metrics (\S+)")

@@ -3,7 +3,7 @@
 SSE client libraries hide comment lines, and comment lines are what the tests are about
 (``: preempted``, ``: resumed``, ``: preempt-keepalive``, the sidecar's ``: keepalive``,
 the bare ``:`` ping). So the body is read raw, each read is kept with the time it
-arrived, and lines are split on bytes with :func:`sidecar.probe.split_lines` (``\\n``,
+arrived, and lines are split on bytes with :func:`sidecar.ops.probe.split_lines` (``\\n``,
 ``\\r\\n`` or ``\\r``; never ``str.splitlines``, which also breaks on U+2028 or U+0085 that
 generated text may hold). A line's time is the arrival of the read that completed it.
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import httpx
 
-from sidecar.probe import split_lines
+from sidecar.ops.probe import split_lines
 from tests.support.memnet import http_client
 
 OnRead = Callable[[float, bytes], None]

@@ -10,10 +10,10 @@ import anyio.lowlevel
 import h11
 import pytest
 
-from sidecar.errors import BadRequest, ClientError, Forbidden, UnsupportedMediaType
-from sidecar.priority import PriorityRules
-from sidecar.request import SPLICE_STEP_BYTES, RequestPlan, apply_priority
-from sidecar.upstream import RequestBody
+from sidecar.core.errors import BadRequest, ClientError, Forbidden, UnsupportedMediaType
+from sidecar.core.priority import PriorityRules
+from sidecar.proxy.request import SPLICE_STEP_BYTES, RequestPlan, apply_priority
+from sidecar.proxy.upstream import RequestBody
 
 pytestmark = pytest.mark.anyio
 

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.chunked import ChunkedDecoder, ChunkedError, whole_chunks
+from sidecar.core.chunked import ChunkedDecoder, ChunkedError, whole_chunks
 
 
 def decode(chunks: list[bytes]) -> tuple[bytes, bool, bytes]:

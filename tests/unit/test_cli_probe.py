@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from sidecar.probe import (
+from sidecar.ops.probe import (
     ProbeOptions,
     StreamRecord,
     build_body,

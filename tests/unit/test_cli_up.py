@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from sidecar import supervise
 from sidecar.config import OPTIONS, Config
-from sidecar.supervise import Child, UpConfig, server_argv, sidecar_argv
+from sidecar.ops import supervise
+from sidecar.ops.supervise import Child, UpConfig, server_argv, sidecar_argv
 
 
 def cfg(**kw: object) -> UpConfig:

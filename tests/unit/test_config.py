@@ -8,7 +8,7 @@ from dataclasses import fields
 import pytest
 
 from sidecar.config import OPTIONS, Config, Option, config_argv, parse_hostport, parse_upstream
-from sidecar.metrics import route_label, status_class
+from sidecar.proxy.metrics import route_label, status_class
 
 
 @pytest.mark.parametrize(
@@ -302,6 +302,6 @@ def test_log_level_is_a_level() -> None:
 
 
 def test_uvloop_only_when_asked() -> None:
-    from sidecar.server import _use_uvloop
+    from sidecar.proxy.server import _use_uvloop
 
     assert _use_uvloop(Config()) is False

@@ -5,7 +5,7 @@ from __future__ import annotations
 import h11
 import pytest
 
-from sidecar import errors as E
+from sidecar.core import errors as E
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The exchange's one state and its writer (sidecar.downstream.Downstream): every unit,
+"""The exchange's one state and its writer (sidecar.proxy.downstream.Downstream): every unit,
 every state, the bytes a unit writes, and the units a state refuses."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from typing import Any
 import h11
 import pytest
 
-from sidecar.adapter import H11Stream
-from sidecar.downstream import Downstream, State, StateError
-from sidecar.notices import NoticeKind
-from sidecar.stream import NoticeSeen, Phase, StreamMonitor
-from sidecar.transport import TransportStream
+from sidecar.core.notices import NoticeKind
+from sidecar.core.stream import NoticeSeen, Phase, StreamMonitor
+from sidecar.proxy.downstream import Downstream, State, StateError
+from sidecar.proxy.h11stream import H11Stream
+from sidecar.proxy.transport import TransportStream
 
 pytestmark = pytest.mark.anyio
 

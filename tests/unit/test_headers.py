@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.headers import (
+from sidecar.core.headers import (
     REQUEST_DROP,
     RESPONSE_DROP,
     filter_headers,

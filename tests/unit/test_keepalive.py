@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.keepalive import KEEPALIVE_IDLE, KEEPALIVE_PARK, KeepalivePolicy, Reason
+from sidecar.core.keepalive import KEEPALIVE_IDLE, KEEPALIVE_PARK, KeepalivePolicy, Reason
 
 
 class FakeClock:

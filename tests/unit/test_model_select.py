@@ -17,7 +17,7 @@ from sidecar.cli.model import (
     describe_model,
     resolve_model,
 )
-from sidecar.gguf_meta import GGUFError, chat_template, read_metadata
+from sidecar.ops.gguf_meta import GGUFError, chat_template, read_metadata
 from tests.support.tinymodel import ensure_model
 
 TEMPLATE = "{% for m in messages %}<|user|>{{ m.content }}{% endfor %}<|assistant|>"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from sidecar.notices import Notice, NoticeKind, ParkEnded, ParkStarted, ParkTracker, classify
+from sidecar.core.notices import Notice, NoticeKind, ParkEnded, ParkStarted, ParkTracker, classify
 
 K = NoticeKind
 

@@ -1,4 +1,4 @@
-"""Operator-set request priority (sidecar/priority.py): rules and the body rewrite, by table."""
+"""Operator-set request priority (sidecar/core/priority.py): rules and the body splice, by table."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.priority import (
+from sidecar.core.priority import (
     LIMIT,
     NotAnObject,
     PriorityRules,

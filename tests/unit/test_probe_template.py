@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from sidecar.cli import app
-from sidecar.probe import FALLBACK_CHATML, has_chat_template
+from sidecar.ops.probe import FALLBACK_CHATML, has_chat_template
 from tests.support.fake_upstream import (
     FakeUpstream,
     RequestRecord,

@@ -1,10 +1,10 @@
-"""The readiness policy (sidecar/readiness.py), driven by tables: no sockets, no clock."""
+"""The readiness policy (sidecar/core/readiness.py), driven by tables: no sockets, no clock."""
 
 from __future__ import annotations
 
 import pytest
 
-from sidecar.readiness import KV_TOTAL, KV_USED, PARKED, Readiness, Verdict, parse_samples
+from sidecar.core.readiness import KV_TOTAL, KV_USED, PARKED, Readiness, Verdict, parse_samples
 
 
 def text(**samples: float) -> str:

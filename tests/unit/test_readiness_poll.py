@@ -9,7 +9,7 @@ import anyio.lowlevel
 import httpx
 import pytest
 
-from sidecar.readiness import MAX_READING_BYTES, PARKED, Readiness, poll_upstream
+from sidecar.core.readiness import MAX_READING_BYTES, PARKED, Readiness, poll_upstream
 
 pytestmark = pytest.mark.anyio
 

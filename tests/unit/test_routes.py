@@ -1,10 +1,10 @@
-"""llama-server's routes as the priority rule sees them (sidecar/routes.py), by table."""
+"""llama-server's routes as the priority rule sees them (sidecar/core/routes.py), by table."""
 
 from __future__ import annotations
 
 import pytest
 
-from sidecar.routes import (
+from sidecar.core.routes import (
     GENERATING_ROUTES,
     OTHER_POST_ROUTES,
     PRIORITY_DROPPED,

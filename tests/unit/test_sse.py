@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.sse import Blank, Comment, Field, Line, SSEScanner
+from sidecar.core.sse import Blank, Comment, Field, Line, SSEScanner
 
 B = Blank()
 

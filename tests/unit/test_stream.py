@@ -8,9 +8,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from sidecar.keepalive import Reason
-from sidecar.notices import NoticeKind, ParkEnded, ParkStarted
-from sidecar.stream import NoticeSeen, Phase, StreamMonitor
+from sidecar.core.keepalive import Reason
+from sidecar.core.notices import NoticeKind, ParkEnded, ParkStarted
+from sidecar.core.stream import NoticeSeen, Phase, StreamMonitor
 
 T0 = 100.0
 

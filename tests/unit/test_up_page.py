@@ -12,7 +12,7 @@ import pytest
 
 from sidecar.cli.up import _ready_banner, has_page
 from sidecar.config import Config
-from sidecar.supervise import UpConfig
+from sidecar.ops.supervise import UpConfig
 
 
 class _Handler(BaseHTTPRequestHandler):

@@ -10,7 +10,7 @@ count, so a chatty upstream never gets extra comments).
 
 A keepalive is a complete comment block (``: preempt-keepalive`` while parked,
 ``: keepalive`` otherwise, each followed by a blank line) and is only allowed at
-an event boundary (see :class:`sidecar.sse.SSEScanner.at_boundary`): inside an
+an event boundary (see :class:`sidecar.core.sse.SSEScanner.at_boundary`): inside an
 event a comment plus blank line would dispatch a half-built event.  When the
 deadline passes inside an event the policy waits for the boundary.
 

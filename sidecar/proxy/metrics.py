@@ -10,15 +10,15 @@ low-cardinality by construction: ``route`` comes from a fixed table of known
 llama-server routes (anything else is ``other``), ``status_class`` is ``1xx``
 to ``5xx`` or ``none``; no path, id or address ever becomes a label.
 
-Label sets come from the enums that name the values (:class:`~sidecar.keepalive.Reason`,
-:class:`~sidecar.notices.NoticeKind`, :class:`~sidecar.stream.Phase`, the kinds of
-:class:`~sidecar.errors.UpstreamError`), and every label set is created up front so
+Label sets come from the enums that name the values (:class:`~sidecar.core.keepalive.Reason`,
+:class:`~sidecar.core.notices.NoticeKind`, :class:`~sidecar.core.stream.Phase`, the kinds of
+:class:`~sidecar.core.errors.UpstreamError`), and every label set is created up front so
 dashboards see zeros, not gaps.  A relayed response is recorded from its
-:class:`~sidecar.stream.StreamMonitor`: :meth:`Metrics.notice` for each park notice as it
+:class:`~sidecar.core.stream.StreamMonitor`: :meth:`Metrics.notice` for each park notice as it
 passes (parks, resumes and the parked gauge are live), :meth:`Metrics.observe` with the
-:class:`~sidecar.stream.StreamStats` at the end.
+:class:`~sidecar.core.stream.StreamStats` at the end.
 
-The exposition is served by :mod:`sidecar.server` on its own listener through
+The exposition is served by :mod:`sidecar.proxy.server` on its own listener through
 ``prometheus_client.exposition.choose_encoder``.  Rendering it costs about 1.5 ms of
 CPU on the event loop that relays every stream, so a client looping on ``/metrics``
 could slow the proxy down: :class:`RenderLimiter` renders at most
@@ -35,10 +35,10 @@ from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Info
 
 from sidecar import __version__
-from sidecar.errors import UpstreamError
-from sidecar.keepalive import Reason
-from sidecar.notices import NoticeKind, ParkEnded, ParkStarted
-from sidecar.stream import NoticeSeen, Phase, StreamStats
+from sidecar.core.errors import UpstreamError
+from sidecar.core.keepalive import Reason
+from sidecar.core.notices import NoticeKind, ParkEnded, ParkStarted
+from sidecar.core.stream import NoticeSeen, Phase, StreamStats
 
 __all__ = [
     "DURATION_BUCKETS", "KNOWN_ROUTES", "Metrics", "RenderLimiter", "route_label", "status_class",

@@ -5,7 +5,7 @@ Theory of operation
 * :class:`State` is where an exchange is, one value for the whole of it (as h11
   keeps ``our_state``); :class:`Downstream` holds it and is the one writer of the
   response, which it counts as it writes (each body piece is fed to the
-  exchange's :class:`~sidecar.stream.StreamMonitor`).  Each write unit (a head,
+  exchange's :class:`~sidecar.core.stream.StreamMonitor`).  Each write unit (a head,
   the early-open head, a body piece, a keepalive comment, the end, an error
   event with the end, an error answer) is one method that checks the state,
   writes with no ``await`` inside, and moves the state; a unit the state does
@@ -20,7 +20,7 @@ Theory of operation
       REQUEST, QUEUED, ANSWERED --answer_error--> DONE
 
 * :func:`client_side` translates what talking to the client may raise (h11,
-  anyio and socket errors) into :mod:`sidecar.errors` classes; a message the
+  anyio and socket errors) into :mod:`sidecar.core.errors` classes; a message the
   client cut short is a disconnect, not a bad request.
 * :func:`answer_error` is every error response the sidecar makes itself: JSON
   in llama-server's shape (``{"error": {"code", "message", "type"}}``), the
@@ -42,10 +42,16 @@ from typing import Any
 import anyio
 import h11
 
-from sidecar.adapter import H11Stream
-from sidecar.errors import IO_ERRORS, BadRequest, ClientDisconnected, ClientError, map_exceptions
-from sidecar.headers import Headers
-from sidecar.stream import NoticeSeen, Phase, StreamMonitor
+from sidecar.core.errors import (
+    IO_ERRORS,
+    BadRequest,
+    ClientDisconnected,
+    ClientError,
+    map_exceptions,
+)
+from sidecar.core.headers import Headers
+from sidecar.core.stream import NoticeSeen, Phase, StreamMonitor
+from sidecar.proxy.h11stream import H11Stream
 
 __all__ = [
     "AccessRecord",

@@ -4,7 +4,7 @@ Theory of operation
 -------------------
 Modelled on h11's ``examples/trio-server.py`` (``TrioHTTPWrapper``) and
 httpcore's ``_async/http11.py``: an :class:`H11Stream` pairs one
-``h11.Connection`` with one :class:`~sidecar.transport.TransportStream` and is
+``h11.Connection`` with one :class:`~sidecar.proxy.transport.TransportStream` and is
 used for both roles (the client side of the sidecar is an h11 ``SERVER``, the
 upstream side an h11 ``CLIENT``).
 
@@ -22,7 +22,7 @@ upstream side an h11 ``CLIENT``).
 * **Raw-body mode**: h11 parses every head, but a body may be taken over
   (:meth:`take_over_body`): h11 is then no longer fed for this message, the
   caller reads raw bytes and decodes the framing itself (upstream response
-  bodies, chunked request bodies; see :mod:`sidecar.chunked`).  :attr:`raw_body`
+  bodies, chunked request bodies; see :mod:`sidecar.core.chunked`).  :attr:`raw_body`
   says so; :meth:`reset` leaves the mode with a fresh state machine (the
   upstream pool does that once a response ended exactly).  A server-role
   connection whose request body was taken over is not :attr:`reusable`.
@@ -38,9 +38,9 @@ upstream side an h11 ``CLIENT``).
   which buffers them for the next cycle; end of stream means the client left.
 
 The class performs no locking; the ordering rule for the writes of one
-exchange is stated once, in :mod:`sidecar.relay`.  Errors escape as h11 /
+exchange is stated once, in :mod:`sidecar.proxy.relay`.  Errors escape as h11 /
 anyio / OSError exceptions; callers translate them with
-:func:`sidecar.errors.map_exceptions` because only they know which side is at
+:func:`sidecar.core.errors.map_exceptions` because only they know which side is at
 fault.
 """
 
@@ -51,9 +51,9 @@ import re
 import anyio
 import h11
 
-from sidecar.chunked import ChunkedDecoder, frame
-from sidecar.errors import PEER_GONE
-from sidecar.transport import TransportStream
+from sidecar.core.chunked import ChunkedDecoder, frame
+from sidecar.core.errors import PEER_GONE
+from sidecar.proxy.transport import TransportStream
 
 __all__ = ["READ_SIZE", "H11Stream"]
 
@@ -169,7 +169,7 @@ class H11Stream:
     ) -> tuple[bytes, bool]:
         """:meth:`next_body_piece` for a chunked request body, decoded by ``decoder``.
 
-        h11 costs about 13 us per chunk, :class:`~sidecar.chunked.ChunkedDecoder`
+        h11 costs about 13 us per chunk, :class:`~sidecar.core.chunked.ChunkedDecoder`
         about 2.5: a body of one-byte chunks is the cheapest way to make a
         server work, so it is decoded here, ``max_bytes`` of wire bytes per call.
         The first call takes the body over from h11 (see :meth:`take_over_body`);
@@ -204,7 +204,7 @@ class H11Stream:
 
         Returns what h11 has buffered past the head; the caller then reads the
         socket (or installs a sink on :attr:`stream`) and decodes the framing
-        itself (see :mod:`sidecar.chunked`).  h11 is no longer fed for this
+        itself (see :mod:`sidecar.core.chunked`).  h11 is no longer fed for this
         cycle; :meth:`reset` gives a fresh state machine for the next one.
         """
         self.raw_body = True
@@ -274,7 +274,7 @@ class H11Stream:
     def write_data(self, data: bytes, wire: bytes | None = None) -> None:
         """Write a piece of the message body now, without waiting.
 
-        When our body is chunked it is framed here (:func:`~sidecar.chunked.frame`,
+        When our body is chunked it is framed here (:func:`~sidecar.core.chunked.frame`,
         as h11's writer would, without an h11 event per write on the hot path),
         unless ``wire`` is given: ``data`` already in complete canonical chunks,
         as the upstream framed it, which is written as it stands.

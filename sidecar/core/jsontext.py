@@ -3,7 +3,7 @@
 llama-server's parser refuses a body that is not UTF-8 (CESU-8 surrogate bytes such as
 ``ED A0 80`` included) and a ``\\uD800``-style escape of a surrogate that is not half of a
 pair; it answers those with a 500.  When the sidecar reads a body anyway (a priority rule
-is on), it refuses them first with a 400 that says why (:mod:`sidecar.relay`).
+is on), it refuses them first with a 400 that says why (:mod:`sidecar.proxy.relay`).
 
 :class:`TextCheck` is fed the body piece by piece, in order:
 

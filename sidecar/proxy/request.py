@@ -16,8 +16,8 @@ sidecar connection (cheap), never a llama-server HTTP thread.  The body has
 two yields of the loop is bounded, so a body of tiny chunks cannot hold it.
 
 :func:`apply_priority` gives a request that llama-server would run as a
-generation the operator's ``priority`` (:mod:`sidecar.routes` says which,
-:mod:`sidecar.priority` splices the field in), or refuses it; the body is
+generation the operator's ``priority`` (:mod:`sidecar.core.routes` says which,
+:mod:`sidecar.core.priority` splices the field in), or refuses it; the body is
 scanned and copied ``SPLICE_STEP_BYTES`` at a time with a yield between steps,
 so a large body holds the event loop no longer than a small one.
 :func:`upstream_headers` is the head that goes upstream: hop-by-hop fields
@@ -34,11 +34,9 @@ import anyio
 import anyio.lowlevel
 import h11
 
-from sidecar.adapter import H11Stream
-from sidecar.chunked import ChunkedDecoder, ChunkedError
 from sidecar.config import Config
-from sidecar.downstream import client_side
-from sidecar.errors import (
+from sidecar.core.chunked import ChunkedDecoder, ChunkedError
+from sidecar.core.errors import (
     BadRequest,
     Forbidden,
     MethodNotSupported,
@@ -47,10 +45,12 @@ from sidecar.errors import (
     Unauthorized,
     UnsupportedMediaType,
 )
-from sidecar.headers import REQUEST_DROP, Headers, filter_headers, get_header, set_header
-from sidecar.priority import NotAnObject, PriorityRules, PrioritySplice
-from sidecar.routes import RouteKind, classify, normalise_path
-from sidecar.upstream import RequestBody
+from sidecar.core.headers import REQUEST_DROP, Headers, filter_headers, get_header, set_header
+from sidecar.core.priority import NotAnObject, PriorityRules, PrioritySplice
+from sidecar.core.routes import RouteKind, classify, normalise_path
+from sidecar.proxy.downstream import client_side
+from sidecar.proxy.h11stream import H11Stream
+from sidecar.proxy.upstream import RequestBody
 
 __all__ = ["RequestPlan", "apply_priority", "check_request", "read_body", "upstream_headers"]
 
@@ -150,7 +150,7 @@ async def read_body(client: H11Stream, plan: RequestPlan, config: Config) -> Req
     """The whole request body (None if there is none), read before upstream is contacted.
 
     Up to ``body_buffer`` bytes stay in memory, the rest goes to a temporary
-    file.  A chunked body is decoded by :class:`~sidecar.chunked.ChunkedDecoder`
+    file.  A chunked body is decoded by :class:`~sidecar.core.chunked.ChunkedDecoder`
     (five times cheaper per chunk than h11) and its connection closes after
     the response.
     """

@@ -29,7 +29,7 @@ from urllib.parse import urlsplit, urlunsplit
 import anyio
 import httpx
 
-from sidecar.notices import NoticeKind, ParkEnded, ParkTracker, classify
+from sidecar.core.notices import NoticeKind, ParkEnded, ParkTracker, classify
 
 __all__ = [
     "ProbeOptions",

@@ -10,7 +10,7 @@ llama-server slot within 100 ms, which happens when the server sees the
 socket close).
 
 * :class:`UpstreamPool` keeps a LIFO list of idle keep-alive connections, each
-  an :class:`~sidecar.adapter.H11Stream` in the h11 ``CLIENT`` role.  A pooled
+  an :class:`~sidecar.proxy.h11stream.H11Stream` in the h11 ``CLIENT`` role.  A pooled
   connection is checked for stray input and EOF before reuse, so one the
   server has closed meanwhile is discarded instead of failing a request (and a
   request on a pooled connection that fails before any byte of the answer is
@@ -18,7 +18,7 @@ socket close).
 * h11 writes the request and parses the response head (and its interim 1xx
   responses).  The body is then taken over (raw-body mode of the adapter) and
   framed here, by :class:`Framing` (RFC 9112 section 6.3): none (HEAD, 204,
-  304), a ``Content-Length``, chunked (decoded by :mod:`sidecar.chunked`), or
+  304), a ``Content-Length``, chunked (decoded by :mod:`sidecar.core.chunked`), or
   until the connection closes.
 * **One body path**, push style: :meth:`UpstreamResponse.relay` installs a
   :class:`_BodySink` on the connection's transport, whose ``data_received``
@@ -35,7 +35,7 @@ socket close).
   as the *next* client's response), and not both ``Content-Length`` and
   ``Transfer-Encoding``.
 
-Failures map to :mod:`sidecar.errors` classes: connect refused ->
+Failures map to :mod:`sidecar.core.errors` classes: connect refused ->
 ``UpstreamConnectError``, connect or head timeout -> ``UpstreamTimeout``,
 connection lost mid-response -> ``UpstreamDisconnected``, garbage ->
 ``UpstreamProtocolError``.
@@ -57,18 +57,18 @@ import anyio.lowlevel
 import h11
 from anyio.abc import SocketAttribute
 
-from sidecar.adapter import H11Stream
-from sidecar.chunked import ChunkedDecoder, ChunkedError, frame, whole_chunks
 from sidecar.config import Config
-from sidecar.errors import (
+from sidecar.core.chunked import ChunkedDecoder, ChunkedError, frame, whole_chunks
+from sidecar.core.errors import (
     PEER_GONE,
     UpstreamConnectError,
     UpstreamDisconnected,
     UpstreamProtocolError,
     UpstreamTimeout,
 )
-from sidecar.headers import Headers, connection_tokens, get_header
-from sidecar.transport import TransportStream, connect
+from sidecar.core.headers import Headers, connection_tokens, get_header
+from sidecar.proxy.h11stream import H11Stream
+from sidecar.proxy.transport import TransportStream, connect
 
 __all__ = [
     "Deliver",
@@ -169,7 +169,7 @@ def _stray_input(conn: H11Stream) -> bool:
     Between two exchanges an upstream connection must be silent: anything it
     sent would be read as the *next* client's response, so a connection with
     stray bytes is never pooled or reused, whatever they are.  Reading stays
-    enabled on a :class:`~sidecar.transport.TransportStream`, so the loop may
+    enabled on a :class:`~sidecar.proxy.transport.TransportStream`, so the loop may
     have queued them already.
     """
     stream = conn.stream
@@ -354,7 +354,7 @@ class _BodySink:
     downstream is backed up; reading from upstream then pauses until the relay
     task has waited for downstream to drain.  ``wire`` is ``data`` in chunked
     framing made mostly of the upstream's own bytes (see
-    :func:`~sidecar.chunked.whole_chunks`), or ``None`` when no upstream chunk
+    :func:`~sidecar.core.chunked.whole_chunks`), or ``None`` when no upstream chunk
     in the read was whole or the body is not chunked; a chunked downstream
     writes ``wire`` as it is, sparing a decode and a re-frame per event.
     Failures (bad framing, upstream gone, a failed delivery) are stored and

@@ -6,10 +6,10 @@ Theory of operation
 connections into one task group and runs one connection loop per client,
 :func:`serve_connection`: read a request head (idle keep-alive wait, then
 ``header_timeout`` for the head: a client that sends its headers too slowly gets
-408), hand it to a :class:`~sidecar.relay.Exchange`, and start the next cycle only
+408), hand it to a :class:`~sidecar.proxy.relay.Exchange`, and start the next cycle only
 when both sides of the h11 connection are ``DONE``.  Malformed heads are answered
 with h11's status hint (400, 431, 501) and the connection is closed.  The loop
-needs a connected byte stream and the shared :class:`~sidecar.relay.Context`, no
+needs a connected byte stream and the shared :class:`~sidecar.proxy.relay.Context`, no
 listener: the tests run it over in-memory streams.
 
 Drain (SIGTERM in the CLI, :meth:`Sidecar.drain` here): ``/ready`` answers
@@ -66,16 +66,16 @@ from anyio.abc import SocketAttribute
 from prometheus_client import CollectorRegistry
 from prometheus_client.exposition import choose_encoder
 
-from sidecar.adapter import H11Stream
 from sidecar.config import Config, format_hostport
-from sidecar.downstream import AccessRecord, answer_error, client_side, reason
-from sidecar.errors import ClientDisconnected, ClientError
-from sidecar.headers import get_header
-from sidecar.metrics import Metrics, RenderLimiter, status_class
-from sidecar.readiness import Readiness, Verdict, poll_upstream
-from sidecar.relay import Context, Exchange
-from sidecar.transport import TransportStream, accepted
-from sidecar.upstream import UpstreamPool
+from sidecar.core.errors import ClientDisconnected, ClientError
+from sidecar.core.headers import get_header
+from sidecar.core.readiness import Readiness, Verdict, poll_upstream
+from sidecar.proxy.downstream import AccessRecord, answer_error, client_side, reason
+from sidecar.proxy.h11stream import H11Stream
+from sidecar.proxy.metrics import Metrics, RenderLimiter, status_class
+from sidecar.proxy.relay import Context, Exchange
+from sidecar.proxy.transport import TransportStream, accepted
+from sidecar.proxy.upstream import UpstreamPool
 
 __all__ = ["Sidecar", "read_head", "serve", "serve_connection"]
 
@@ -260,7 +260,7 @@ class Sidecar:
         scope: anyio.CancelScope,
     ) -> None:
         # Accept on the listening sockets ourselves so that connections become
-        # TransportStreams (sidecar/transport.py) rather than anyio SocketStreams.
+        # TransportStreams (sidecar/proxy/transport.py) rather than anyio SocketStreams.
         socks = [
             inner.extra(SocketAttribute.raw_socket)
             for inner in getattr(listener, "listeners", [listener])
@@ -354,7 +354,7 @@ class Sidecar:
         """Serve one proxy connection that did not come through the listener.
 
         The connection loop of the listener's connections runs on ``stream`` (any
-        connected :class:`~sidecar.transport.TransportStream`, a test's in-memory one
+        connected :class:`~sidecar.proxy.transport.TransportStream`, a test's in-memory one
         included), with their guard: an error in it ends this connection only.  The
         sidecar's state (metrics, upstream pool, drain) is shared with the listener's.
         """
@@ -465,7 +465,7 @@ async def serve_connection(
 ) -> None:
     """The proxy side of one client connection, over any connected byte stream.
 
-    Read a head, run an :class:`~sidecar.relay.Exchange`, start the next cycle when both
+    Read a head, run an :class:`~sidecar.proxy.relay.Exchange`, start the next cycle when both
     sides of the h11 connection are ``DONE``; end when the client leaves, a head is
     refused, an exchange ends the connection, or ``ctx`` is draining.  ``idle`` collects
     the cancel scope of the wait for a head (a drain cancels them: idle connections

@@ -10,10 +10,10 @@ only moves bytes and calls in.  One monitor per exchange, fed ``(bytes, now)``:
   streaming, parked): with the exchange's own state before that (request,
   queued), the label of a client disconnect;
 * for an event stream (``text/event-stream``), the SSE scanner
-  (:class:`~sidecar.sse.SSEScanner`: comment lines and event boundaries), the
-  park notices (:func:`~sidecar.notices.classify`) and the set of parked
-  prompts (:class:`~sidecar.notices.ParkTracker`), and the keepalive policy
-  (:class:`~sidecar.keepalive.KeepalivePolicy`);
+  (:class:`~sidecar.core.sse.SSEScanner`: comment lines and event boundaries), the
+  park notices (:func:`~sidecar.core.notices.classify`) and the set of parked
+  prompts (:class:`~sidecar.core.notices.ParkTracker`), and the keepalive policy
+  (:class:`~sidecar.core.keepalive.KeepalivePolicy`);
 * counters for the access log and the metrics: time to first byte, bytes,
   parks, park time, keepalives, the longest silence the client saw.
 
@@ -28,7 +28,7 @@ The relay calls
   notices it completes come back as :class:`NoticeSeen` items (usually none)
   for the live metrics;
 * :meth:`~StreamMonitor.keepalive_due` from its timer: the comment to write
-  now, if any (only at an event boundary, see :mod:`sidecar.keepalive`; the
+  now, if any (only at an event boundary, see :mod:`sidecar.core.keepalive`; the
   relay says whether upstream has yet to answer an early open), which the
   monitor then counts as written; :meth:`~StreamMonitor.next_check` says
   when to ask again;
@@ -46,9 +46,16 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from sidecar.keepalive import Keepalive, KeepalivePolicy
-from sidecar.notices import NoticeKind, ParkChange, ParkEnded, ParkStarted, ParkTracker, classify
-from sidecar.sse import SSEScanner
+from sidecar.core.keepalive import Keepalive, KeepalivePolicy
+from sidecar.core.notices import (
+    NoticeKind,
+    ParkChange,
+    ParkEnded,
+    ParkStarted,
+    ParkTracker,
+    classify,
+)
+from sidecar.core.sse import SSEScanner
 
 __all__ = ["NoticeSeen", "Phase", "StreamMonitor", "StreamStats"]
 

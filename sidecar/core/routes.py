@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A priority rule (:mod:`sidecar.priority`) must reach every request that llama-server runs
+A priority rule (:mod:`sidecar.core.priority`) must reach every request that llama-server runs
 as a generation, whatever spelling of the path reached it.  llama-server's HTTP library
 cuts the request target at the first ``#``, splits the query off at the first ``?``,
 percent-decodes the path (``%XX``, and the old ``%uXXXX`` form too) and then compares it

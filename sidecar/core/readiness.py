@@ -44,7 +44,7 @@ __all__ = [
     "poll_upstream",
 ]
 
-log = logging.getLogger("sidecar.readiness")
+log = logging.getLogger("sidecar.core.readiness")
 
 # llama-server's /metrics is a few KiB; a reading larger than this is not one (a wrong URL, a
 # misbehaving upstream) and is a failed poll, not a body held in memory without bound

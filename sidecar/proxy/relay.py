@@ -3,18 +3,18 @@
 Theory of operation
 -------------------
 :class:`Exchange` handles one request on an accepted client connection (an
-:class:`~sidecar.adapter.H11Stream` in the h11 ``SERVER`` role), in four steps
+:class:`~sidecar.proxy.h11stream.H11Stream` in the h11 ``SERVER`` role), in four steps
 that :meth:`Exchange.run` reads in order:
 
-1. **check**: :func:`~sidecar.request.check_request` refuses what must not be
-   forwarded, and :func:`~sidecar.request.read_body` buffers the whole request
-   body (see :mod:`sidecar.request`);
-2. **forward**: the request goes to the upstream pool (:mod:`sidecar.upstream`);
+1. **check**: :func:`~sidecar.proxy.request.check_request` refuses what must not be
+   forwarded, and :func:`~sidecar.proxy.request.read_body` buffers the whole request
+   body (see :mod:`sidecar.proxy.request`);
+2. **forward**: the request goes to the upstream pool (:mod:`sidecar.proxy.upstream`);
 3. **respond**: the response head goes downstream and the body is relayed
-   from the upstream read callback (:meth:`~sidecar.downstream.Downstream.piece`),
-   each piece fed to the exchange's :class:`~sidecar.stream.StreamMonitor` as it
+   from the upstream read callback (:meth:`~sidecar.proxy.downstream.Downstream.piece`),
+   each piece fed to the exchange's :class:`~sidecar.core.stream.StreamMonitor` as it
    is written;
-4. **record**: the monitor's :class:`~sidecar.stream.StreamStats` go to the
+4. **record**: the monitor's :class:`~sidecar.core.stream.StreamStats` go to the
    metrics and the access log, in a ``finally`` that runs under cancellation.
 
 While steps 2 and 3 run, one task group holds the main task, a
@@ -24,21 +24,21 @@ closed at once so llama-server frees the slot) and, with
 ``--early-open-after``, the early-open timer.  Keepalive comments come from a
 ``loop.call_later`` timer per event stream, not a task.
 
-Where an exchange is, is one value: the :class:`~sidecar.downstream.State`
-of its :class:`~sidecar.downstream.Downstream`, the writer every downstream
+Where an exchange is, is one value: the :class:`~sidecar.proxy.downstream.State`
+of its :class:`~sidecar.proxy.downstream.Downstream`, the writer every downstream
 write goes through; the exchange calls it and reads its state, never keeps
 flags of its own.  Why an exchange ended early (the client left, a keepalive
 failed) is the error it will raise.
 
 Downstream writes: the rule
 ---------------------------
-Every downstream write is synchronous (:meth:`~sidecar.adapter.H11Stream.write_event`,
-:meth:`~sidecar.adapter.H11Stream.write_data`: the bytes reach the transport
+Every downstream write is synchronous (:meth:`~sidecar.proxy.h11stream.H11Stream.write_event`,
+:meth:`~sidecar.proxy.h11stream.H11Stream.write_data`: the bytes reach the transport
 before the call returns) and happens on the event loop thread: in a task, in
 the upstream read callback, or in the keepalive timer.  A *unit* (a response
 head; one relayed piece of body; a keepalive comment; the end of the message;
 an error event with the end of the message) is one method of
-:class:`~sidecar.downstream.Downstream`, written with no ``await`` inside it,
+:class:`~sidecar.proxy.downstream.Downstream`, written with no ``await`` inside it,
 and whatever decides a unit (the scanner's boundary state, the exchange's
 state) is read and updated in the same step.  Nothing else can run in between, so
 units never interleave and a keepalive never lands inside an event or before
@@ -76,10 +76,8 @@ import anyio
 import anyio.abc
 import h11
 
-from sidecar.adapter import H11Stream
 from sidecar.config import Config
-from sidecar.downstream import AccessRecord, Downstream, State, error_body
-from sidecar.errors import (
+from sidecar.core.errors import (
     IO_ERRORS,
     BadRequest,
     ClientDisconnected,
@@ -89,21 +87,29 @@ from sidecar.errors import (
     UpstreamError,
     UpstreamTimeout,
 )
-from sidecar.headers import is_event_stream, response_headers, set_header
-from sidecar.jsontext import BadText, TextCheck
-from sidecar.metrics import Metrics, route_label
-from sidecar.priority import PriorityRules
-from sidecar.request import RequestPlan, apply_priority, check_request, read_body, upstream_headers
-from sidecar.routes import RouteKind, classify
-from sidecar.stream import StreamMonitor
-from sidecar.upstream import RequestBody, UpstreamPool, UpstreamResponse
+from sidecar.core.headers import is_event_stream, response_headers, set_header
+from sidecar.core.jsontext import BadText, TextCheck
+from sidecar.core.priority import PriorityRules
+from sidecar.core.routes import RouteKind, classify
+from sidecar.core.stream import StreamMonitor
+from sidecar.proxy.downstream import AccessRecord, Downstream, State, error_body
+from sidecar.proxy.h11stream import H11Stream
+from sidecar.proxy.metrics import Metrics, route_label
+from sidecar.proxy.request import (
+    RequestPlan,
+    apply_priority,
+    check_request,
+    read_body,
+    upstream_headers,
+)
+from sidecar.proxy.upstream import RequestBody, UpstreamPool, UpstreamResponse
 
 __all__ = ["Context", "Exchange"]
 
 access_log = logging.getLogger("sidecar.access")
 
 MAX_ERROR_BODY = 64 * 1024
-# body bytes checked for text (sidecar.jsontext) between two yields of the event loop
+# body bytes checked for text (sidecar.core.jsontext) between two yields of the event loop
 TEXT_CHECK_STEP = 256 * 1024
 # Keepalives are written at 90% of the interval: slack for event-loop lag.
 KEEPALIVE_LEAD = 0.1

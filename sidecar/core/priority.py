@@ -7,7 +7,7 @@ must not choose their own, so once an operator configures any rule the sidecar g
 refuses it: the priority of the request's API key (``--priority-keys 'KEY=10,OTHER=-5'``),
 else the value of the header named by ``--priority-header`` (``X-Priority``, say; name
 only a header that a trusted hop sets or strips, such as nginx setting it per route), else
-``--priority-default`` (0).  Which requests generate is :mod:`sidecar.routes`' business.
+``--priority-default`` (0).  Which requests generate is :mod:`sidecar.core.routes`' business.
 
 Theory of operation: the splice
 -------------------------------

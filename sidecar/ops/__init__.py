@@ -1,0 +1,1 @@
+"""Operations around the proxy: the up supervisor, the park probe, GGUF metadata."""
