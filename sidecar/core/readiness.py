@@ -10,28 +10,19 @@ server exports its KV pool size, while the free share of the pool is below
 new connections at the balancer.
 
 The state is read from llama-server's own ``/metrics`` (it must run with ``--metrics``),
-polled every ``ready_poll`` seconds by :func:`poll_upstream`.  :class:`Readiness` is the
-pure part: it is fed the metrics text (or a failure) with the time, and gives a
-:class:`Verdict` for a given time.  It never does I/O, so the whole policy is tested with
-tables.  Failing safe: before the first reading, after a failed poll, or when the last
-reading is older than three poll intervals, the verdict is "not ready" with the reason.
-
-httpx logs every request at INFO ("HTTP Request: GET ..."), which for a poll every second
-is 86,400 lines a day in the access log's stream; the poller's own requests are logged only
-from WARNING up (a filter on the ``httpx`` logger keyed by a context variable that only the
-poller's task sets, so other httpx users in the process keep their lines).
+polled every ``ready_poll`` seconds by :func:`~sidecar.proxy.ready_poll.poll_upstream`
+through the proxy's upstream pool.  :class:`Readiness` is this part: it is fed the
+metrics text (or a failure) with the time, and gives a :class:`Verdict` for a given
+time.  It never does I/O, so the whole policy is tested with tables.  Failing safe:
+before the first reading, after a failed poll, or when the last reading is older than
+three poll intervals, the verdict is "not ready" with the reason.
 """
 
 from __future__ import annotations
 
-import contextvars
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
-
-import anyio
-import httpx
 
 __all__ = [
     "KV_TOTAL",
@@ -41,7 +32,6 @@ __all__ = [
     "Readiness",
     "Verdict",
     "parse_samples",
-    "poll_upstream",
 ]
 
 log = logging.getLogger("sidecar.core.readiness")
@@ -54,17 +44,6 @@ PARKED = "llamacpp:requests_preempted"
 KV_USED = "llamacpp:kv_cells_used"
 KV_TOTAL = "llamacpp:kv_cells_total"
 STALE_AFTER_POLLS = 3
-
-# set in the poller's task: its httpx records below WARNING are dropped (see _QuietPoller)
-_polling = contextvars.ContextVar("sidecar_readiness_polling", default=False)
-
-
-class _QuietPoller(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.WARNING or not _polling.get()
-
-
-_QUIET = _QuietPoller()
 
 
 def parse_samples(text: str) -> dict[str, float]:
@@ -159,49 +138,3 @@ class Readiness:
                 return Verdict(False, f"free KV {free:.0%} < {self.min_free_kv:.0%}")
             return Verdict(True, f"no parked requests, free KV {free:.0%}")
         return Verdict(True, "no parked requests")
-
-
-async def poll_upstream(
-    readiness: Readiness,
-    metrics_url: str,
-    *,
-    clock: Callable[[], float] = anyio.current_time,
-    client: httpx.AsyncClient | None = None,
-) -> None:
-    """Feed ``readiness`` from ``metrics_url`` every poll interval, until cancelled."""
-    interval = readiness.poll_interval
-    httpx_log = logging.getLogger("httpx")
-    if _QUIET not in httpx_log.filters:
-        httpx_log.addFilter(_QUIET)
-    quiet = _polling.set(True)  # this task's context only, until the poller returns
-    own = client is None
-    client = client or httpx.AsyncClient(timeout=max(interval, 1.0))
-    try:
-        while True:
-            started = clock()
-            try:
-                text, why = await _read_metrics(client, metrics_url)
-                if text is not None:
-                    readiness.observe(text, clock())
-                else:
-                    readiness.failed(why, clock())
-            except httpx.HTTPError as exc:
-                readiness.failed(type(exc).__name__, clock())
-            await anyio.sleep(max(0.0, interval - (clock() - started)))
-    finally:
-        _polling.reset(quiet)
-        if own:
-            await client.aclose()
-
-
-async def _read_metrics(client: httpx.AsyncClient, url: str) -> tuple[str | None, str]:
-    """The metrics text, or None and why not (an HTTP status, a body over the size limit)."""
-    async with client.stream("GET", url) as r:
-        if r.status_code != 200:
-            return None, f"HTTP {r.status_code}"
-        body = bytearray()
-        async for piece in r.aiter_bytes():
-            body += piece
-            if len(body) > MAX_READING_BYTES:
-                return None, f"metrics response over {MAX_READING_BYTES} bytes"
-        return body.decode("utf-8", "replace"), ""

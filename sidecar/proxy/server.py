@@ -69,10 +69,11 @@ from prometheus_client.exposition import choose_encoder
 from sidecar.config import Config, format_hostport
 from sidecar.core.errors import ClientDisconnected, ClientError
 from sidecar.core.headers import get_header
-from sidecar.core.readiness import Readiness, Verdict, poll_upstream
+from sidecar.core.readiness import Readiness, Verdict
 from sidecar.proxy.downstream import AccessRecord, answer_error, client_side, reason
 from sidecar.proxy.h11stream import H11Stream
 from sidecar.proxy.metrics import Metrics, RenderLimiter, status_class
+from sidecar.proxy.ready_poll import poll_upstream
 from sidecar.proxy.relay import Context, Exchange
 from sidecar.proxy.transport import TransportStream, accepted
 from sidecar.proxy.upstream import UpstreamPool
@@ -368,8 +369,7 @@ class Sidecar:
 
     async def _poll_readiness(self) -> None:
         # runs until the connection task group is cancelled at the end of a drain
-        host, port, base = self.config.upstream_addr
-        await poll_upstream(self.readiness, f"http://{format_hostport(host, port)}{base}/metrics")
+        await poll_upstream(self.readiness, self.ctx.upstream)
 
     async def _handle_metrics(self, stream: TransportStream) -> None:
         """``/metrics``, ``/healthz`` and ``/ready``: GET or HEAD, keep-alive, the proxy's timeouts.

@@ -9,14 +9,17 @@ import time
 import anyio
 import pytest
 
-from sidecar.core.readiness import PARKED, Readiness, poll_upstream
+from sidecar.core.readiness import PARKED, Readiness
 from sidecar.core.sse import MAX_KEPT, Comment, SSEScanner
+from sidecar.proxy.ready_poll import poll_upstream
 from sidecar.proxy.server import Sidecar
+from sidecar.proxy.upstream import UpstreamPool
 from tests.support.fake_upstream import FakeUpstream, sse_head
 from tests.support.fixtures import SidecarFactory
 from tests.support.memnet import http_client
 from tests.support.rawclient import RawConn
 from tests.support.samples import sample
+from tests.support.sidecar import ephemeral_config
 
 SSE_CHUNKED_HEAD = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
                     b"Transfer-Encoding: chunked\r\n\r\n")  # fmt: skip
@@ -200,19 +203,21 @@ async def test_a_space_inside_a_header_value_is_not_a_fold(
 async def test_the_readiness_poller_does_not_log_each_poll(
     fake: FakeUpstream, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """httpx logs every request at INFO: one line a second, 86,400 a day, from the poller.
-
-    The poller's own requests are logged from WARNING up; any other httpx request in the
-    process keeps its INFO line.
+    """httpx logs every request at INFO: a poller on it would add one line a second, 86,400
+    a day.  The poller reads through the proxy's own upstream pool, which logs no request;
+    any httpx request in the process keeps its INFO line.
     """
     fake.route("/metrics", [("head", 200, [(b"Content-Type", b"text/plain")]),
                             ("send", f"{PARKED} 0\n".encode()), ("end",)])  # fmt: skip
     readiness = Readiness(0.05)
     caplog.set_level(logging.INFO)
+    pool = UpstreamPool(ephemeral_config(fake.url))
     with anyio.move_on_after(0.5):
-        await poll_upstream(readiness, fake.url + "/metrics")
+        await poll_upstream(readiness, pool)
+    await pool.aclose()
     assert len(fake.requests) >= 3  # polls happened (their verdict is not this test's business)
     assert [r for r in caplog.records if r.name.startswith("httpx")] == []
+    assert [r for r in caplog.records if r.levelno < logging.WARNING] == []
     async with http_client() as other:
         await other.get(fake.url + "/metrics")
     assert any(r.name == "httpx" and r.levelno == logging.INFO for r in caplog.records)
