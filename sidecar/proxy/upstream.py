@@ -16,7 +16,7 @@ socket close).
   request on a pooled connection that fails before any byte of the answer is
   retried once on a fresh one; the body is buffered).
 * h11 writes the request and parses the response head (and its interim 1xx
-  responses).  The body is then taken over (raw-body mode of the adapter) and
+  responses).  The body is then taken over (raw-body mode of the H11Stream) and
   framed here, by :class:`Framing` (RFC 9112 section 6.3): none (HEAD, 204,
   304), a ``Content-Length``, chunked (decoded by :mod:`sidecar.core.chunked`), or
   until the connection closes.

@@ -6,7 +6,7 @@ end's ``data_received`` on the next loop iteration (``call_soon``, as a real
 transport would deliver it, never inside the writer's call), in order.  Pausing
 reading holds incoming bytes (and whatever arrives behind them) until reading
 resumes; closing one end gives the other end EOF.  The sidecar's code runs
-unchanged on top: the adapter, the upstream pool (given a ``connect`` that returns
+unchanged on top: the H11Stream, the upstream pool (given a ``connect`` that returns
 such a stream), the body sink, the relay and its keepalive timer.
 """
 
