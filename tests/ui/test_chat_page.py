@@ -41,7 +41,7 @@ import httpx
 import pytest
 
 from sidecar.cli.up import has_page
-from tests.support.llama import LlamaServer
+from tests.support.llama import TEST_KNOB_PREFIX, LlamaServer
 from tests.support.nginx import NGINX, Nginx, start_nginx
 from tests.support.procs import wait_until
 from tests.support.sse_client import StreamLog, stream_sse
@@ -135,8 +135,11 @@ def up_stack(tmp: Path, binary: Path, model: Path, pool: tuple[str, ...],
              env: dict[str, str] | None = None, extra: tuple[str, ...] = ()) -> UpProcess:
     keepalives = {"LLAMA_SIDECAR_PARK_KEEPALIVE": f"{KEEPALIVE_S:g}",
                   "LLAMA_SIDECAR_IDLE_KEEPALIVE": f"{KEEPALIVE_S:g}"}  # fmt: skip
+    # llama-server reads its test knobs only with --preempt-test-knobs
+    has_knobs = any(k.startswith(TEST_KNOB_PREFIX) for k in env or {})
+    knobs = ["--preempt-test-knobs"] if has_knobs else []
     up = UpProcess(["--server-bin", str(binary), "--model", str(model), *pool, *extra,
-                    "--", *SAMPLING, "-t", "1"],
+                    "--", *SAMPLING, "-t", "1", *knobs],
                    tmp, env={**keepalives, **(env or {})})  # fmt: skip
     up.log_dir.mkdir(parents=True, exist_ok=True)
     up.start(timeout=240)
