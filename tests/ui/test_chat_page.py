@@ -67,7 +67,7 @@ FOUR_POOL = ("--parallel", "4", "--ctx-size", "512", "--preempt-ram", "8192")
 # whose keepalives came 0.27 s apart under load, and answered 504 to requests the loaded
 # sidecar had not answered within that (the page then resumed or failed those chats).
 KEEPALIVE_S = 0.125
-NGINX_READ_TIMEOUT_S = 2.0
+NGINX_READ_TIMEOUT_S = 1.0
 PAUSE = "[data-stream-paused]"
 INPUT = "Type a message..."  # the chat form's placeholder
 
