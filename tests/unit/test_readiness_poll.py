@@ -129,3 +129,25 @@ def test_the_proxy_path_imports_no_http_client_library() -> None:
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
     )
     assert out.stdout.strip() == "False"
+
+
+async def test_an_upstream_that_never_answers_is_a_failed_poll_and_its_connection_is_dropped(
+    upstream: tuple[FakeUpstream, UpstreamPool],
+) -> None:
+    """An upstream that takes the /metrics request and never answers: the poll gives up after
+    its bound and says so, and the hung connection is closed, not pooled, so the next poll and
+    the relayed requests do not queue behind it."""
+    fake, pool = upstream
+    fake.route("/base/metrics", [("hang",)])
+    r = await polls(pool)
+    verdict = r.verdict(anyio.current_time())
+    assert not verdict.ready
+    assert "timed out" in verdict.reason
+    fake.route("/base/metrics", metrics(GOOD))
+    r = await polls(pool)
+    assert r.verdict(anyio.current_time()).ready
+    # the good reading came on a fresh connection; each hung one was closed by the pool
+    hung, good = fake.conns[:-1], fake.conns[-1]
+    assert hung
+    assert all(c.closed_at is not None for c in hung), hung
+    assert good.closed_at is None
