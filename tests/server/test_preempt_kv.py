@@ -33,8 +33,8 @@ from tests.server.preempt_helpers import (
     complete,
     complete_many,
     count_lines,
-    long_park_sizes,
     metrics,
+    n_decoded_max,
     preempt_log_lines,
     robust_prompts,
     slots,
@@ -258,12 +258,13 @@ def assert_recompute_run(
 
 @pytest.mark.slow
 def test_recompute_above_the_ram_budget(start_server: StartServer, slow_model: Path) -> None:
-    # the slow model's cells are ~24 KiB: a parked sequence of ~100 cells does not fit 1 MiB
+    # the slow model's cells are ~24 KiB: a parked sequence of ~100 cells does not fit 1 MiB.
+    # Two 100-token prompts fill the pool a few dozen tokens in: few tokens of the slow model
     srv = start_server(
         model=slow_model, args=[*BASE, "--preempt-ram", "1", "-c", "256", "-np", "2"]
     )
-    together = complete_many(srv.url, PROMPTS[:2], 160)
-    assert_recompute_run(srv.url, together, 160, 8)
+    together = complete_many(srv.url, [token_prompt(100, 20), token_prompt(100, 21)], 48)
+    assert_recompute_run(srv.url, together, 48, 100)
     assert "recompute on resume" in srv.log_text()
 
 
@@ -300,23 +301,26 @@ def test_two_near_full_prompts(start_server: StartServer) -> None:
 def test_cancel_while_parked_frees_ram_and_slot(
     start_server: StartServer, slow_model: Path
 ) -> None:
-    pool, a_tokens, b_tokens = long_park_sizes(start_server, slow_model)
-    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", str(pool), "-np", "2"])
+    # A (priority 1: the leader, never rotated out) shifts its context instead of ending, so it
+    # can run as long as the test needs on 256 cells; B's long prompt fits beside A's first
+    # tokens and B is parked a few tokens later with ~200 cells, more than A's shifts free
+    srv = start_server(
+        model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "2", "--context-shift"]
+    )
+    solo = complete(srv.url, PROMPTS[3], 16)
+    assert solo.ok, solo.error
+    # A outlives B's park and cancel: each /slots or /metrics read below waits for a decode step,
+    # so that takes a few tokens of A on any machine; at least 2 s on a fast one
+    a_tokens = max(80, int(2 * solo.timings["predicted_per_second"]))
     results: dict[str, Completion] = {}
 
     def run_a() -> None:
-        results["a"] = complete(srv.url, PROMPTS[0], a_tokens)
+        results["a"] = complete(srv.url, PROMPTS[0], a_tokens, priority=1)
 
     ta = threading.Thread(target=run_a, daemon=True)
     ta.start()
-    # A starts first, so it stays the leader and B is the one parked
-    wait_for(
-        lambda: any(
-            s["next_token"][0]["n_decoded"] >= 10 for s in slots(srv.url) if s["is_processing"]
-        ),
-        what="A generating",
-    )
-    b = RawStream(srv.url, PROMPTS[1], b_tokens)
+    wait_for(lambda: n_decoded_max(srv.url) >= 2, what="A generating")
+    b = RawStream(srv.url, token_prompt(180, 1), 40)
 
     parked = wait_for(
         lambda: [s for s in slots(srv.url) if s.get("is_preempted")],
@@ -342,7 +346,7 @@ def test_cancel_while_parked_frees_ram_and_slot(
     assert len(busy) == 1
     assert not busy[0]["is_preempted"]
 
-    ta.join(120)
+    ta.join(300)
     assert results["a"].ok
     assert results["a"].n_predicted == a_tokens
     after = complete(srv.url, PROMPTS[2], 16)
@@ -396,10 +400,11 @@ def test_real_overflows_get_the_context_error(start_server: StartServer) -> None
 def test_rotation_with_context_shift(start_server: StartServer) -> None:
     # the head of the parked line waits ROTATE_NOW (0 s instead of 2) before a resident that has
     # shifted is rotated out: a rotation then comes with the first shift after a park, however
-    # fast the model is, and generations a few times the pool long see several
+    # fast the model is, and generations longer than the pool see many (about 150 for three of
+    # 300 tokens on 256 cells)
     srv = start_server(args=[*BASE, *PARK, "-c", "256", "-np", "3", "--context-shift"],
                        env=ROTATE_NOW)
-    n = 2000
+    n = 300
     together = complete_many(srv.url, PROMPTS[:3], n)
     for c in together:
         assert c.ok, c.error

@@ -10,6 +10,9 @@ from __future__ import annotations
 import itertools
 import re
 import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,8 +26,8 @@ from tests.server.preempt_helpers import (
     ROTATE_NOW,
     RawStream,
     completion_body,
-    long_park_sizes,
     metrics,
+    n_decoded_max,
     robust_prompts,
     slots,
     token_prompt,
@@ -141,41 +144,76 @@ def test_non_streaming_requests_see_no_comment(start_server: StartServer) -> Non
 
 # 3, 4, 6 ----------------------------------------------------------------------------------------
 
+# A resident that generates without end: priority 1 ranks it above the stream that joins, so it is
+# never the planner's victim nor rotated out, and with context shift it never ends. A shift leaves
+# it 129 of the 256 cells, so a stream parked with more than 119 cells (or waiting to prefill as
+# many) stays parked for as long as the test lets the resident run, on a model of any speed.
+BEHIND_ENDLESS = [*BASE, *PARK, "-c", "256", "-np", "2", "--context-shift"]
 
-def run_behind_resident(
-    url: str, b_prompt: list[int], b_tokens: int, a_at: int, a_tokens: int = 240
-) -> tuple[StreamLog, StreamLog]:
-    """Stream A generates; when it holds `a_at` tokens, stream B starts and must wait for cells."""
-    logs: dict[str, StreamLog] = {}
 
-    def run_a() -> None:
-        logs["a"] = completion(url, token_prompt(8, 0), a_tokens)
+@dataclass
+class Behind:
+    a: RawStream  # the resident, cut by the test
+    b: StreamLog
+    t_cut: float  # when A was cut, on B's clock
 
-    ta = threading.Thread(target=run_a, daemon=True)
-    ta.start()
-    wait_for(
-        lambda: any(
-            s["next_token"][0]["n_decoded"] >= a_at for s in slots(url) if s["is_processing"]
-        ),
-        timeout=120,
-        what=f"A at {a_at} tokens",
-    )
-    logs["b"] = completion(url, b_prompt, b_tokens)
-    ta.join(300)
-    return logs["a"], logs["b"]
+
+def park_behind_endless_resident(
+    url: str, b_prompt: list[int], b_tokens: int, a_at: int, cut: Callable[[bytes], bool]
+) -> Behind:
+    """Resident A generates; when it holds `a_at` tokens, stream B starts and must wait for cells.
+    A is cut when `cut(B's body so far)` holds (or after a minute, so that a missing notice fails
+    the test rather than hanging it); then B is restored and finishes."""
+    a = RawStream(url, token_prompt(8, 0), -1, priority=1)
+    release = threading.Event()
+    seen = bytearray()
+
+    def on_read(_: float, data: bytes) -> None:
+        seen.extend(data)
+        if cut(bytes(seen)):
+            release.set()
+
+    logs: list[StreamLog] = []
+    try:
+        wait_for(lambda: n_decoded_max(url) >= a_at, timeout=120, what=f"A at {a_at} tokens")
+        body = completion_body(b_prompt, b_tokens, stream=True)
+
+        def run_b() -> None:
+            logs.append(stream_sse(f"{url}/completion", body, on_read=on_read))
+            release.set()
+
+        tb = threading.Thread(target=run_b, daemon=True)
+        tb.start()
+        release.wait(60)
+        t_cut = time.monotonic()
+    finally:
+        a.cancel()
+    tb.join(300)
+    assert logs, "B's stream never ended"
+    return Behind(a, logs[0], t_cut - logs[0].t_start)
+
+
+def keepalives(n: int) -> Callable[[bytes], bool]:
+    return lambda body: body.count(b": preempt-keepalive") >= n
 
 
 @pytest.mark.slow
 def test_parked_stream_says_so_with_keepalives(start_server: StartServer, slow_model: Path) -> None:
     """Two streams that overflow the pool: the parked one is told (paired notices), and while it
-    waits (about five seconds) it gets a keepalive at least every 2 s (interval + 1 s of reader
-    slack)."""
-    pool, a_tokens, b_tokens = long_park_sizes(start_server, slow_model)
-    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", str(pool), "-np", "2"])
-    a, b = run_behind_resident(srv.url, token_prompt(8, 1), b_tokens, a_at=2, a_tokens=a_tokens)
-    assert a.status == b.status == 200
-    assert not notices(a), "the leader is never parked"
+    waits (two keepalives, about four seconds) it gets a keepalive at least every 2 s (interval
+    + 1 s of reader slack). The slow model: B's long prompt joins A early enough to fit, and B is
+    parked a few tokens into its generation, with about 200 cells."""
+    srv = start_server(model=slow_model, args=BEHIND_ENDLESS)
+    b_tokens = 40
+    run = park_behind_endless_resident(
+        srv.url, token_prompt(180, 1), b_tokens, a_at=2, cut=keepalives(2)
+    )
+    a, b = run.a, run.b
+    assert a.data.startswith(b"HTTP/1.1 200"), a.data[:80]
+    assert b.status == 200
+    assert b": preempted" not in a.data, "the leader is never parked"
     assert assert_paired(b) >= 1
+    assert b.lines[0][1].startswith("data: "), "B was parked before its first token"
     assert len(b.tokens()) == b_tokens
     assert b.done is False
     gaps = keepalive_gaps(b)
@@ -205,17 +243,16 @@ def keepalive_gaps(log: StreamLog) -> list[float]:
     ids=["shorter-ping-interval", "preempt-keepalive"],
 )
 def test_keepalive_spacing_follows_the_shorter_interval(
-    start_server: StartServer, slow_model: Path, interval_args: list[str]
+    start_server: StartServer, interval_args: list[str]
 ) -> None:
     """Keepalives while parked come every min(--sse-ping-interval, --preempt-keepalive) seconds:
     a 1 s ping interval, or (pings disabled) --preempt-keepalive 1, spaces them by 1 s, not by
-    the default 2 s."""
-    pool, a_tokens, b_tokens = long_park_sizes(start_server, slow_model)
-    srv = start_server(
-        model=slow_model,
-        args=[*BASE, *PARK, "-c", str(pool), "-np", "2", *interval_args],
-    )
-    _, b = run_behind_resident(srv.url, token_prompt(8, 1), b_tokens, a_at=2, a_tokens=a_tokens)
+    the default 2 s. B waits to prefill a prompt that does not fit beside A, for four
+    keepalives."""
+    srv = start_server(args=[*BEHIND_ENDLESS, *interval_args])
+    b = park_behind_endless_resident(
+        srv.url, token_prompt(150, 1), 8, a_at=120, cut=keepalives(4)
+    ).b
     assert assert_paired(b) >= 1
     kept = [t for t, line in b.lines if line == ": preempt-keepalive"]
     assert len(kept) >= 2, f"{len(kept)} keepalives; comments: {b.comments}"
@@ -224,18 +261,18 @@ def test_keepalive_spacing_follows_the_shorter_interval(
     assert sorted(spacing)[len(spacing) // 2] < 1.5, f"spacing is 2 s, not 1: {spacing}"
 
 
-@pytest.mark.slow
-def test_park_during_prompt_opens_the_stream(start_server: StartServer, slow_model: Path) -> None:
+def test_park_during_prompt_opens_the_stream(start_server: StartServer) -> None:
     """B's prompt does not fit beside A: B is parked before its first token, and its stream opens
     with ": preempted" at once, while A is still running; then ": resumed", then data."""
-    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "2"])
-    a, b = run_behind_resident(srv.url, token_prompt(150, 2), 8, a_at=120)
+    srv = start_server(args=BEHIND_ENDLESS)
+    run = park_behind_endless_resident(
+        srv.url, token_prompt(150, 2), 8, a_at=120, cut=lambda body: b": preempted" in body
+    )
+    b = run.b
     assert b.status == 200
     first_t, first = b.lines[0]
     assert first == ": preempted", b.lines[:3]
-    a_last_data = max(t for t, line in a.lines if line.startswith("data: "))
-    # both clocks start at their own request: compare through A's start offset
-    assert first_t + (b.t_start - a.t_start) < a_last_data, "B heard of its park only after A ended"
+    assert first_t < run.t_cut, "B heard of its park only after A ended"
     kinds = [line for _, line in b.lines if not line.startswith(": preempt-keepalive")]
     assert kinds[1] == ": resumed"
     assert kinds[2].startswith("data: ")
@@ -264,10 +301,11 @@ def test_last_resort_parks_are_announced(start_server: StartServer) -> None:
 @pytest.mark.slow
 def test_rotation_parks_are_announced(start_server: StartServer) -> None:
     # no wait before a rotation (ROTATE_NOW): the first shift after a park rotates, at any speed
-    srv = start_server(args=[*BASE, *PARK, "-c", "256", "-np", "3", "--context-shift"],
-                       env=ROTATE_NOW)
+    srv = start_server(
+        args=[*BASE, *PARK, "-c", "256", "-np", "3", "--context-shift"], env=ROTATE_NOW
+    )
     prompts = [token_prompt(8, i) for i in range(3)]
-    log = stream_sse(f"{srv.url}/completion", completion_body(prompts, 2000, stream=True))
+    log = stream_sse(f"{srv.url}/completion", completion_body(prompts, 300, stream=True))
     assert log.status == 200
     assert "rotated out after" in srv.log_text()
     assert assert_paired(log) >= 1
@@ -303,16 +341,16 @@ def assert_plain_error(r: httpx.Response) -> None:
     assert "error" in r.json()
 
 
-def test_oversized_prompts_keep_their_4xx(start_server: StartServer, slow_model: Path) -> None:
+def test_oversized_prompts_keep_their_4xx(start_server: StartServer) -> None:
     """Prompts that cannot fit are answered with a plain 4xx while a resident generates, and are
     never parked. The resident generates without end (context shift, no n_predict limit) until the
     test cancels it, so the checks run beside it however fast the model is."""
-    srv = start_server(model=slow_model,
-                       args=[*BASE, *PARK, "-c", "256", "-np", "2", "--context-shift"])
+    srv = start_server(args=[*BASE, *PARK, "-c", "256", "-np", "2", "--context-shift"])
     resident = RawStream(srv.url, token_prompt(8, 0), -1)
     try:
-        wait_for(lambda: any(s["is_processing"] for s in slots(srv.url)), what="a resident",
-                 timeout=60)
+        wait_for(
+            lambda: any(s["is_processing"] for s in slots(srv.url)), what="a resident", timeout=60
+        )
         # an oversized prompt behind a resident is rejected, never parked
         big = completion_body(token_prompt(300, 3), 8, stream=True)
         assert_plain_error(httpx.post(f"{srv.url}/completion", json=big, timeout=120))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -24,15 +25,31 @@ from tests.server.preempt_helpers import (
     metrics,
     n_decoded_max,
     robust_prompts,
+    robust_solo_runs,
     slots,
     token_prompt,
     wait_for,
     wait_settled,
 )
+from tests.support.llama import LlamaServer
 
 pytestmark = [pytest.mark.server]
 
 HIGH, LOW = 5, -1
+
+
+@pytest.fixture(scope="module")
+def validating_server(
+    llama_server_bin: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LlamaServer]:
+    """One server for the request validation cases: a rejected request leaves nothing behind."""
+    log = tmp_path_factory.mktemp("priority") / "llama-server.log"
+    srv = LlamaServer(llama_server_bin, tiny_model, [*BASE, *PARK, "-c", "256", "-np", "2"],
+                      log_path=log)  # fmt: skip
+    try:
+        yield srv.start()
+    finally:
+        srv.stop()
 
 
 @pytest.mark.parametrize(
@@ -45,8 +62,10 @@ HIGH, LOW = 5, -1
         ("/completion", 10**9),
     ],
 )
-def test_priority_must_be_an_integer(start_server: StartServer, path: str, value: object) -> None:
-    srv = start_server(args=[*BASE, *PARK, "-c", "256", "-np", "2"])
+def test_priority_must_be_an_integer(
+    validating_server: LlamaServer, path: str, value: object
+) -> None:
+    srv = validating_server
     body: dict[str, object] = {"n_predict": 2, "priority": value}
     if "chat" in path:
         body["messages"] = [{"role": "user", "content": "hi"}]
@@ -72,9 +91,11 @@ def test_only_low_priority_requests_are_parked(start_server: StartServer, slow_m
     cells = 256
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", str(cells), "-np", "3"])
     n = 100
-    low_prompts = robust_prompts(srv.url, 2, 8, n)
-    high_prompt = robust_prompts(srv.url, 1, 8, n, first_seed=50)[0]
-    solo = {tuple(p): complete(srv.url, p, n) for p in [*low_prompts, high_prompt]}
+    low_runs = robust_solo_runs(srv.url, 2, 8, n)
+    high_run = robust_solo_runs(srv.url, 1, 8, n, first_seed=50)[0]
+    low_prompts = [p for p, _ in low_runs]
+    high_prompt = high_run[0]
+    solo = {tuple(p): tokens for p, tokens in [*low_runs, high_run]}
 
     results: dict[str, list[Completion]] = {}
 
@@ -91,9 +112,8 @@ def test_only_low_priority_requests_are_parked(start_server: StartServer, slow_m
     assert high.preempt["parks"] == 0, "a high-priority request was parked while low ones ran"
     assert sum(c.preempt["parks"] for c in results["low"]) >= 1, "the pool never overflowed"
     for got, prompt in [(high, high_prompt), *zip(results["low"], low_prompts, strict=True)]:
-        ref = solo[tuple(prompt)]
         assert got.ok, got.error
-        assert got.tokens == ref.tokens
+        assert got.tokens == solo[tuple(prompt)]
         assert len(got.tokens) == n
     m = wait_settled(srv.url)
     assert m["n_preempt_priority_high_total"] == 0
@@ -132,8 +152,7 @@ def test_a_starving_low_priority_request_still_finishes(
     assert "--preempt-aging 1.0" in srv.log_text()
     # long enough to be running when the pool fills (about 80 tokens each on 256 cells)
     n_low = 150
-    low_prompt = robust_prompts(srv.url, 1, 8, n_low, first_seed=80)[0]
-    solo = complete(srv.url, low_prompt, n_low)
+    low_prompt, solo_tokens = robust_solo_runs(srv.url, 1, 8, n_low, first_seed=80)[0]
 
     stop = threading.Event()
     highs: list[Completion] = []
@@ -163,7 +182,7 @@ def test_a_starving_low_priority_request_still_finishes(
     assert low[0].ok, low[0].error
     assert still_loaded, "the high-priority load ended before the low request finished"
     assert low[0].preempt["parks"] >= 1, "the high-priority load never parked the low request"
-    assert low[0].tokens == solo.tokens
+    assert low[0].tokens == solo_tokens
     assert all(h.ok for h in highs), [h.error for h in highs if not h.ok]
     assert time.monotonic() - t0 < 240
     m = wait_settled(srv.url)
