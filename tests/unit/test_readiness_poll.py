@@ -32,28 +32,33 @@ async def upstream() -> AsyncIterator[tuple[FakeUpstream, UpstreamPool]]:
 
 
 async def polls(pool: UpstreamPool, readings: int = 1) -> Readiness:
-    """Poll until ``readings`` polls have been judged (each one a reading or a failure)."""
+    """Poll until ``readings`` polls have been judged (each one a reading or a failure).
+
+    The poller is stopped from inside the judgement, before it sleeps: no later poll is ever
+    cut off mid-request (which would cost the pool its connection, whatever the load)."""
     readiness = Readiness(0.01)
     judged = 0
     observe, failed = readiness.observe, readiness.failed
-
-    def count_observe(text: str, now: float) -> None:
-        nonlocal judged
-        judged += 1
-        observe(text, now)
-
-    def count_failed(why: str, now: float) -> None:
-        nonlocal judged
-        judged += 1
-        failed(why, now)
-
-    readiness.observe, readiness.failed = count_observe, count_failed  # type: ignore[method-assign]
     async with anyio.create_task_group() as tg:
-        tg.start_soon(poll_upstream, readiness, pool)
+
+        def judge() -> None:
+            nonlocal judged
+            judged += 1
+            if judged >= readings:
+                tg.cancel_scope.cancel()
+
+        def count_observe(text: str, now: float) -> None:
+            observe(text, now)
+            judge()
+
+        def count_failed(why: str, now: float) -> None:
+            failed(why, now)
+            judge()
+
+        readiness.observe, readiness.failed = count_observe, count_failed  # type: ignore[method-assign]
         with anyio.fail_after(5):
-            while judged < readings:
-                await anyio.sleep(0.005)
-        tg.cancel_scope.cancel()
+            await poll_upstream(readiness, pool)
+    assert judged == readings
     return readiness
 
 
