@@ -148,11 +148,11 @@ async def test_the_right_key_still_passes(
 async def test_header_floods_are_bounded(
     fake: FakeUpstream, sidecar: Sidecar, head: bytes, status: int
 ) -> None:
-    t0 = time.monotonic()
+    t0 = time.process_time()  # in memory: the client's, the sidecar's and upstream's work
     async with await RawConn.open(sidecar.url) as c:
         await c.send(head)
         assert (await c.read_response()).status == status
-    assert time.monotonic() - t0 < 1.0
+    assert time.process_time() - t0 < 1.0  # CPU, not wall time: the load around it is not ours
 
 
 async def test_slowloris_head_gets_408_on_one_deadline(
@@ -162,27 +162,48 @@ async def test_slowloris_head_gets_408_on_one_deadline(
         sidecar_factory(fake.url, header_timeout=1.0) as sc,
         await RawConn.open(sc.url) as c,
     ):
-        took = await drip_until_answered(c, b"GET /echo HTTP/1.1\r\n", b"X-A: b\r\n", 0.2)
-        assert 0.9 < took < 2.0
+        took, lines = await drip_until_answered(c, b"GET /echo HTTP/1.1\r\n", b"X-A: b\r\n", 0.2)
+        assert took > 0.9
+        assert lines <= 1.0 / 0.2 + 2  # one deadline for the head, not one per line
         assert (await c.read_response()).status == 408
     assert fake.conns == []
 
 
 async def test_many_slowloris_connections_do_not_block_a_normal_client(
-    fake: FakeUpstream, sidecar: Sidecar
+    fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
-    lorises = [await RawConn.open(sidecar.url) for _ in range(200)]
-    try:
-        for c in lorises:
-            await c.send(b"GET /echo HTTP/1.1\r\nHost: x\r\nX-A: ")
-        t0 = time.monotonic()
-        async with await RawConn.open(sidecar.url) as c:
-            await c.send(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
-            assert (await c.read_response()).status == 200
-        assert time.monotonic() - t0 < 0.5
-    finally:
-        for c in lorises:
-            await c.close()
+    """The normal client is answered while all 200 lorises are still held, at little cost.
+
+    The lorises have a minute for their heads: a client served after them (or after any
+    one of them) would wait that long.  The cost is CPU time, which the machine's load
+    does not change.
+    """
+    async with sidecar_factory(fake.url, header_timeout=60.0) as sc:
+        lorises = [await RawConn.open(sc.url) for _ in range(200)]
+        try:
+            for c in lorises:
+                await c.send(b"GET /echo HTTP/1.1\r\nHost: x\r\nX-A: ")
+            t0 = time.process_time()
+            async with await RawConn.open(sc.url) as c:
+                await c.send(b"GET /echo HTTP/1.1\r\nHost: x\r\n\r\n")
+                assert (await c.read_response(timeout=30)).status == 200
+            assert time.process_time() - t0 < 0.5
+            heard: list[bytes] = []
+
+            async def listen(c: RawConn) -> None:
+                with anyio.move_on_after(0.1):
+                    try:
+                        heard.append(await c.stream.receive())
+                    except (anyio.EndOfStream, anyio.BrokenResourceError):
+                        heard.append(b"(closed)")
+
+            async with anyio.create_task_group() as tg:
+                for c in lorises:
+                    tg.start_soon(listen, c)
+            assert heard == []  # every loris still waits: no 408, no close
+        finally:
+            for c in lorises:
+                await c.close()
 
 
 def _random_split_script(seed: int) -> tuple[Script, bytes]:
@@ -200,7 +221,8 @@ def _random_split_script(seed: int) -> tuple[Script, bytes]:
     cuts = sorted(set(rng.sample(range(1, len(stream)), 25)) | ends)
     script: Script = [sse_head()]
     for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True):
-        script += [("send", stream[a:b]), ("sleep", rng.choice([0.0, 0.05, 0.15, 0.3]))]
+        # pauses of half, one and a half and three keepalive intervals
+        script += [("send", stream[a:b]), ("sleep", rng.choice([0.0, 0.02, 0.06, 0.12]))]
     return [*script, ("end",)], stream
 
 
@@ -235,7 +257,7 @@ async def test_keepalive_never_inside_an_event_under_random_splits(
     script, stream = _random_split_script(seed)
     fake.route("/v1/chat/completions", script)
     async with (
-        sidecar_factory(fake.url, park_keepalive=0.1) as sc,
+        sidecar_factory(fake.url, park_keepalive=0.04) as sc,
         await RawConn.open(sc.url) as c,
     ):
         await c.send(b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")

@@ -21,7 +21,7 @@ from tests.support.fixtures import SidecarFactory
 from tests.support.rawclient import RawConn
 from tests.support.samples import sample
 
-pytestmark = pytest.mark.anyio
+pytestmark = [pytest.mark.anyio, pytest.mark.in_memory]
 
 EVENTS = [chunk(0), chunk(1), b": preempted\n\n", b": resumed\n\n", chunk(2), b"data: [DONE]\n\n"]
 BODY = b"".join(EVENTS)
@@ -38,9 +38,9 @@ def parked_with_length(park: float) -> list[tuple[Any, ...]]:
 async def test_no_keepalive_inside_a_content_length_body(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
-    fake.route("/v1/chat/completions", parked_with_length(1.6))
+    fake.route("/v1/chat/completions", parked_with_length(0.8))  # five keepalive intervals
     async with (
-        sidecar_factory(fake.url, park_keepalive=0.3) as sc,
+        sidecar_factory(fake.url, park_keepalive=0.15) as sc,
         await RawConn.open(sc.url) as c,
     ):
         for _ in range(2):  # the second exchange proves the connection is still in sync
@@ -58,10 +58,10 @@ async def test_keepalives_in_a_close_delimited_body(
 ) -> None:
     """An HTTP/1.0 client: the body ends with the connection, so comments may go in."""
     fake.route("/v1/chat/completions", [sse_head(), ("send", EVENTS[0] + EVENTS[2]),
-                                        ("sleep", 1.0), ("send", b"".join(EVENTS[3:])),
+                                        ("sleep", 0.5), ("send", b"".join(EVENTS[3:])),
                                         ("end",)])  # fmt: skip
     async with (
-        sidecar_factory(fake.url, park_keepalive=0.3) as sc,
+        sidecar_factory(fake.url, park_keepalive=0.15) as sc,
         await RawConn.open(sc.url) as c,
     ):
         await c.send(b"GET /v1/chat/completions HTTP/1.0\r\n\r\n")

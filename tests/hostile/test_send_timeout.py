@@ -6,7 +6,8 @@ buffer to drain and reading from upstream stayed paused.  nginx's ``send_timeout
 model: when the client takes no byte for that long, the client connection is closed and the
 upstream request cancelled (its connection closed, so llama-server frees the slot), and it
 is counted (``outcome`` ``send_timeout``, ``llama_sidecar_send_timeouts_total``).  A slow
-reader that keeps taking bytes is never cut.  The tests use a send timeout of half a second.
+reader that keeps taking bytes is never cut.  The tests use a send timeout of a fifth of a
+second; the slow reader reads five times as often.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from tests.support.samples import sample
 
 pytestmark = pytest.mark.anyio
 
-SEND_TIMEOUT = 0.5
+SEND_TIMEOUT = 0.2
 PIECE = b"data: " + b"x" * (64 * 1024 - 8) + b"\n\n"  # one 64 KiB event
 
 
@@ -36,13 +37,13 @@ def big_stream(pieces: int) -> Script:
     return [sse_head(), *[("send", PIECE) for _ in range(pieces)], ("end",)]
 
 
-async def open_client(url: str) -> socket.socket:
+async def open_client(url: str, rcvbuf: int = 16 * 1024) -> socket.socket:
     """A raw client with a small receive buffer, so that a stall fills the pipe soon."""
     parts = urlsplit(url)
     assert parts.hostname
     assert parts.port
     sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 * 1024)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
     sock.setblocking(False)
     await asyncio.get_running_loop().sock_connect(sock, (parts.hostname, parts.port))
     return sock
@@ -104,10 +105,11 @@ async def test_a_slow_reader_that_keeps_reading_is_never_cut(
     caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """Progress is counted in bytes: reading 64 KiB every 0.1 s is slow, not stalled.
+    """Progress is counted in bytes: reading 64 KiB every 0.04 s is slow, not stalled.
 
     The client's socket stays writable only once megabytes of the kernel's send buffer
-    drained; the check counts what the client acknowledged instead.
+    drained (at this pace, longer than the send timeout); the check counts what the
+    client acknowledged instead.
     """
     caplog.set_level(logging.INFO, logger="sidecar.access")
     checks: list[bool] = []
@@ -122,7 +124,7 @@ async def test_a_slow_reader_that_keeps_reading_is_never_cut(
     fake.route("/v1/chat/completions", big_stream(pieces))
     loop = asyncio.get_running_loop()
     async with sidecar_factory(fake.url, send_timeout=SEND_TIMEOUT) as sc:
-        sock = await open_client(sc.url)
+        sock = await open_client(sc.url, rcvbuf=64 * 1024)  # a full read per wake-up
         got = 0
         try:
             await loop.sock_sendall(sock, REQUEST)
@@ -134,7 +136,7 @@ async def test_a_slow_reader_that_keeps_reading_is_never_cut(
                     got += len(data)
                     if data.endswith(b"0\r\n\r\n"):
                         break
-                    await anyio.sleep(0.1)
+                    await anyio.sleep(SEND_TIMEOUT / 5)
         finally:
             sock.close()
         assert got > pieces * len(PIECE)
