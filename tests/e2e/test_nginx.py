@@ -24,13 +24,15 @@ pytestmark = [
     pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx)"),
 ]
 
-READ_TIMEOUT_S = 1.0
-# Two streams of 1000 tokens in a 1024-cell pool: they collide at ~510 tokens each, and the
-# parked one waits while the other makes ~490 more, about 3 s even where the slow model runs at
-# 160 tokens/s alone (360 tokens in 384 cells gave parks of 0.95 s there, under the timeout).
-# Only completion is checked here, not the text, so the long generation costs nothing but time.
-POOL = ("--parallel", "2", "--ctx-size", "1024", "--preempt-ram", "8192")
-TOKENS = 1000
+# The sidecar's keepalives come four times per read timeout.
+READ_TIMEOUT_S = 0.5
+KEEPALIVE_S = 0.125
+# Two streams of 480 tokens (after a prompt of 14) in a 512-cell pool: they collide at ~250
+# tokens each, and the parked one waits while the other makes ~240 more, 1.3 s (2.6 read
+# timeouts) even where the slow model runs at 180 tokens/s alone (360 tokens in 384 cells gave
+# parks of 0.95 s there).
+POOL = ("--parallel", "2", "--ctx-size", "512", "--preempt-ram", "8192")
+TOKENS = 480
 
 
 def server_park_lengths(log_text: str) -> list[float]:
@@ -41,10 +43,11 @@ def server_park_lengths(log_text: str) -> list[float]:
 def test_overflowing_pair_completes_through_nginx_with_a_short_read_timeout(
     run_preempting_up: RunUp, slow_model: Path, tmp_path: Path
 ) -> None:
-    env = {"LLAMA_SIDECAR_PARK_KEEPALIVE": "0.25", "LLAMA_SIDECAR_IDLE_KEEPALIVE": "0.25"}
+    env = {"LLAMA_SIDECAR_PARK_KEEPALIVE": f"{KEEPALIVE_S:g}",
+           "LLAMA_SIDECAR_IDLE_KEEPALIVE": f"{KEEPALIVE_S:g}"}  # fmt: skip
     up = run_preempting_up("--model", str(slow_model), *POOL, "--ping-interval", "-1",
                            "--", "-t", "1", env=env)  # fmt: skip
-    nginx = start_nginx(tmp_path / "nginx", up.port, read_timeout=f"{READ_TIMEOUT_S:g}s")
+    nginx = start_nginx(tmp_path / "nginx", up.port, read_timeout=f"{READ_TIMEOUT_S * 1e3:.0f}ms")
     try:
         body = {"prompt": "Once upon a time", "n_predict": TOKENS, "ignore_eos": True,
                 "stream": True, "temperature": 0}  # fmt: skip

@@ -1,7 +1,7 @@
 """docs/nginx.conf in a real nginx, in front of `up` with a stand-in llama-server.
 
-The stand-in parks each stream for 3 s in total silence (no server keepalives), and
-nginx's proxy_read_timeout is cut to 1 s: through the sidecar the stream completes
+The stand-in parks each stream for 1.5 s in total silence (no server keepalives), and
+nginx's proxy_read_timeout is cut to 0.5 s: through the sidecar the stream completes
 (the sidecar writes `: preempt-keepalive` while parked); straight to the server, nginx
 cuts it, which shows the test measures what it claims. test_nginx.py does the same with
 the real patched server.
@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -29,15 +30,21 @@ pytestmark = [
 ]
 
 BODY = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 10, "stream": True}
-PARK_S = 3.0
+# The park is three read timeouts; the sidecar's keepalive comes more than three times per
+# read timeout.
+PARK_S = 1.5
+READ_TIMEOUT = "500ms"
 
 
-@pytest.fixture
-def parked_up(tmp_path: Path, fake_server_bin: Path) -> Iterator[UpProcess]:
+@pytest.fixture(scope="module")
+def parked_up(tmp_path_factory: pytest.TempPathFactory,
+              fake_server_bin: Path) -> Iterator[UpProcess]:  # fmt: skip
+    """One `up` for the module: each test puts its own nginx in front of it."""
+    tmp_path = tmp_path_factory.mktemp("parked-up")
     model = tmp_path / "fake.gguf"
     model.write_bytes(b"GGUF")
     env = {"FAKE_PARK_S": str(PARK_S), "FAKE_PARK_KEEPALIVE_S": "0",
-           "LLAMA_SIDECAR_PARK_KEEPALIVE": "0.3"}  # fmt: skip
+           "LLAMA_SIDECAR_PARK_KEEPALIVE": "0.15"}  # fmt: skip
     up = UpProcess(["--server-bin", str(fake_server_bin), "--model", str(model)], tmp_path / "up",
                    env=env)  # fmt: skip
     up.log_dir.mkdir()
@@ -58,7 +65,7 @@ def nginx_factory(tmp_path: Path) -> Iterator[list[Nginx]]:
 def test_silent_park_longer_than_proxy_read_timeout_survives_through_the_sidecar(
     parked_up: UpProcess, nginx_factory: list[Nginx], tmp_path: Path
 ) -> None:
-    nginx = start_nginx(tmp_path / "nginx", parked_up.port, read_timeout="1s")
+    nginx = start_nginx(tmp_path / "nginx", parked_up.port, read_timeout=READ_TIMEOUT)
     nginx_factory.append(nginx)
     log = stream_sse(nginx.url + "/v1/chat/completions", BODY, timeout=30)
     assert log.status == 200, (log.error, log.body(), nginx.error_log())
@@ -75,7 +82,7 @@ def test_silent_park_longer_than_proxy_read_timeout_survives_through_the_sidecar
 def test_control_the_same_park_straight_to_the_server_is_cut_by_nginx(
     parked_up: UpProcess, nginx_factory: list[Nginx], tmp_path: Path
 ) -> None:
-    nginx = start_nginx(tmp_path / "nginx", parked_up.server_port, read_timeout="1s")
+    nginx = start_nginx(tmp_path / "nginx", parked_up.server_port, read_timeout=READ_TIMEOUT)
     nginx_factory.append(nginx)
     log = stream_sse(nginx.url + "/v1/chat/completions", BODY, timeout=30)
     assert not log.done
@@ -96,7 +103,9 @@ def test_deploy_pairs_config_spreads_streams_over_two_pairs(tmp_path: Path,
     try:
         for up in ups:
             up.log_dir.mkdir()
-            up.start(timeout=60)
+        # both pairs start at once
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(lambda up: up.start(timeout=60), ups))
         port = free_port()
         nginx = Nginx(tmp_path / "nginx", pairs_config([u.port for u in ups], port), port)
         nginx.start()
