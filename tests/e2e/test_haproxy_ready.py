@@ -72,13 +72,15 @@ def sidecars() -> Iterator[list[SidecarProcess]]:
 def test_haproxy_steers_new_requests_away_from_a_parking_pair(
     start_server: StartServer, slow_model: Path, sidecars: list[SidecarProcess], tmp_path: Path
 ) -> None:
-    # the park outlasts a readiness poll, haproxy's down check and four requests: at least
-    # 512 cells (with 256, one run at load 16 sent the first of the four to pair 1)
-    pool, a_tokens, b_tokens = long_park_sizes(start_server, slow_model, min_pool=512)
+    # the park outlasts a readiness poll (0.2 s), haproxy's down check (one failed check of
+    # 0.2 s) and four two-token requests: 2.5 s where the model is fast, and at least 512
+    # cells where it is slow (with 256, one run at load 16 sent the first of the four to pair 1)
+    pool, a_tokens, b_tokens = long_park_sizes(start_server, slow_model, min_pool=512, park_s=2.5)
     servers = [
         start_server(model=slow_model, args=[*BASE, *PARK, "-c", str(pool), "-np", "2"])
         for _ in range(2)
     ]
+    print(f"pool {pool} cells, A {a_tokens} tokens, B {b_tokens} tokens")
     for srv in servers:
         sidecars.append(start_subprocess(ephemeral_config(srv.url, ready_poll=POLL)))
     pair_ports = [(port(sc.url), port(sc.metrics_url or "")) for sc in sidecars]

@@ -465,9 +465,12 @@ PARK_SECONDS = 5.0
 
 
 def long_park_sizes(
-    start_server: Callable[..., Any], model: Any, min_pool: int = 256
+    start_server: Callable[..., Any],
+    model: Any,
+    min_pool: int = 256,
+    park_s: float = PARK_SECONDS,
 ) -> tuple[int, int, int]:
-    """(pool, leader tokens, parked tokens) for a park of about PARK_SECONDS on this machine.
+    """(pool, leader tokens, parked tokens) for a park of about ``park_s`` on this machine.
 
     B starts when A holds a few tokens; both grow until the pool is full at about half each;
     B (the smaller) is parked until A finishes. The park therefore lasts (A - pool/2) tokens
@@ -481,5 +484,5 @@ def long_park_sizes(
     assert solo.final is not None, solo.error
     speed = float(solo.final["timings"]["predicted_per_second"])
     # llama.cpp pads the context to a multiple of 256: size the pool on that grid
-    pool = max(min_pool, -(-int(2 * PARK_SECONDS * speed + 64) // 256) * 256)
+    pool = max(min_pool, -(-int(2 * park_s * speed + 64) // 256) * 256)
     return pool, pool - 32, pool // 2 + 44
