@@ -66,10 +66,12 @@ def test_dashboard_queries_against_a_live_overloaded_pair(
     try:
         prom.wait_scraping()
         logs = overload(up.url + "/completion")
+        ended = time.time()
         assert all(log.done or (log.final() or {}).get("stop") for log in logs)
-        # Let a few scrapes land after the run.
+        # Both jobs scraped after the run: their counters are final in Prometheus.
         prom.wait_for("llamacpp:n_resume_total > 0")
-        time.sleep(2)
+        for job in ("llama-server", "llama-sidecar"):
+            prom.wait_for(f'timestamp(up{{job="{job}"}}) > {ended:.3f}', 30)
 
         for name in PARK_SERIES:
             assert prom.wait_for(name), name
