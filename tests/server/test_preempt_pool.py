@@ -163,6 +163,10 @@ def test_state_copies_split_over_threads_change_nothing(
     assert min(sizes) >= 8.0, sizes
 
 
+# two parks of both slots at once (tokens 8 and 16): one swap and one recompute each
+N_WITHIN = 24
+
+
 @pytest.mark.slow
 def test_pool_stays_within_preempt_ram(start_server: StartServer, slow_model: Path) -> None:
     # slow model: ~24 KiB per cell, so two ~100-cell states (~2.4 MiB each) do not fit 4 MiB;
@@ -180,7 +184,7 @@ def test_pool_stays_within_preempt_ram(start_server: StartServer, slow_model: Pa
 
     # the same workload once first: compute buffers (the recompute's re-prefill) and heap warm up,
     # and the pool's blocks must be gone again once the server is idle
-    warm = complete_many(srv.url, prompts, 40)
+    warm = complete_many(srv.url, prompts, N_WITHIN)
     assert all(c.ok for c in warm)
     assert assert_settled(srv.url)["preempt_pool_bytes"] == 0
     rss_base = rss_bytes(pid)
@@ -202,11 +206,11 @@ def test_pool_stays_within_preempt_ram(start_server: StartServer, slow_model: Pa
     try:
         # both slots reach their 8th, 16th, ... token in the same iteration: both are parked at
         # once, and only one state fits the budget
-        together = complete_many(srv.url, prompts, 40)
+        together = complete_many(srv.url, prompts, N_WITHIN)
     finally:
         done.set()
         sampler.join()
-    assert all(c.ok and c.n_predicted == 40 for c in together), [c.error for c in together]
+    assert all(c.ok and c.n_predicted == N_WITHIN for c in together), [c.error for c in together]
 
     log = srv.log_text()[n_log:]
     held = [(float(b), float(h), float(lim)) for b, h, lim in HELD_RE.findall(log)]
