@@ -43,6 +43,23 @@ def run_up(tmp_path: Path, fake_model: Path, fake_server_bin: Path) -> Iterator[
         up.kill()
 
 
+@pytest.fixture(scope="module")
+def shared_up(tmp_path_factory: pytest.TempPathFactory,
+              fake_server_bin: Path) -> Iterator[UpProcess]:  # fmt: skip
+    """One `up` for the tests that only look at it: two slots, an API key, an argument for the
+    server after ``--``."""
+    tmp_path = tmp_path_factory.mktemp("shared-up")
+    model = tmp_path / "fake.gguf"
+    model.write_bytes(b"GGUF")
+    up = UpProcess(["--server-bin", str(fake_server_bin), "--model", str(model),
+                    "--parallel", "2", "--api-key", "s3cret", "--", "--threads", "1"],
+                   tmp_path)  # fmt: skip
+    try:
+        yield up.start(timeout=60)
+    finally:
+        up.kill()
+
+
 def chat(up: UpProcess, tokens: int = 8) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens, "stream": True}
     log = stream_sse(up.url + "/v1/chat/completions", body, timeout=60)
@@ -90,9 +107,8 @@ def test_up_restarts_a_killed_server(run_up: RunUp) -> None:
     assert [p for p in kids if alive(p)] == []
 
 
-def test_arguments_after_double_dash_reach_the_server(run_up: RunUp) -> None:
-    up = run_up("--parallel", "2", "--", "--threads", "1")
-    argv = cmdline(up.server_pid())
+def test_arguments_after_double_dash_reach_the_server(shared_up: UpProcess) -> None:
+    argv = cmdline(shared_up.server_pid())
     assert "--parallel 2" in argv
     assert argv.rstrip().endswith("--threads 1")
     assert "--preempt-ram 4096" in argv
@@ -116,8 +132,9 @@ def test_a_server_that_cannot_start_fails_fast_with_its_log(run_up: RunUp) -> No
     assert "invalid argument: --fake-fail" in text  # the log tail is shown
 
 
-def test_a_second_up_on_the_same_ports_refuses_to_start(run_up: RunUp) -> None:
-    first = run_up()
+def test_a_second_up_on_the_same_ports_refuses_to_start(run_up: RunUp,
+                                                        shared_up: UpProcess) -> None:  # fmt: skip
+    first = shared_up
     second = run_up(start=False)
     second.port, second.server_port = first.port, first.server_port
     with pytest.raises(RuntimeError) as info:
@@ -127,8 +144,8 @@ def test_a_second_up_on_the_same_ports_refuses_to_start(run_up: RunUp) -> None:
     first.wait_healthy()  # the first one is unharmed
 
 
-def test_api_key_is_enforced_by_the_sidecar_and_health_stays_public(run_up: RunUp) -> None:
-    up = run_up("--api-key", "s3cret")
+def test_api_key_is_enforced_by_the_sidecar_and_health_stays_public(shared_up: UpProcess) -> None:
+    up = shared_up
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
     url = up.url + "/v1/chat/completions"
     assert stream_sse(url, body, timeout=30).status == 401
