@@ -1,21 +1,29 @@
 """Fairness: hostile clients of every kind at once cannot starve a parked stream.
 
-While they run against a sidecar in its own process, a parked stream's longest silence
-stays within the park keepalive + 0.1 s (the sidecar's promise, with the slack the
-issue allows) and ``/healthz`` keeps answering.  The figures are printed (``-s``) and
-reported in docs/benchmarks.md ("Fairness under hostile clients").  The second test
-turns a priority rule on and attacks it: bypass attempts, three 30 MiB bodies of empty
-objects to rewrite at once, and readers that stop reading.
+The sidecar's promise is a byte on a parked stream at least every park keepalive.  What it
+controls of that is its own event loop: while the hostile clients run against a sidecar
+in its own process, nothing the sidecar does keeps the loop from a turn for long, counted
+without the time its thread waited for a CPU (the loop watch of :mod:`tests.hostile.load`),
+so that a machine busy with other work cannot fail the test and an idle one cannot hide
+a stall.  The parked stream still gets its keepalive comments and ``/healthz`` answers
+every probe; the wall-clock figures (the longest silence, the probe's latencies) are
+printed (``-s``) and reported in docs/benchmarks.md ("Fairness under hostile clients").
+The second test turns a priority rule on and attacks it: bypass attempts, three 30 MiB
+bodies of empty objects to rewrite at once, and readers that stop reading.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from tests.hostile.load import measure_park, require_a_machine_that_keeps_time
+from tests.hostile.load import Measured, measure_park
 
-PARK_S = 8.0
-PARK_KEEPALIVE = 1.0
+PARK_S = 4.0
+PARK_KEEPALIVE = 0.5
+# The longest a turn of the sidecar's loop may take, its waits for a CPU left out.  The
+# stalls this guards against were 1.4 to 6 s (a 30 MiB parse holding the GIL, 50,000
+# chunks parsed without yielding); 170 hostile clients connecting at once cost about 0.1 s.
+STALL_BOUND = 0.25
 # How many of each hostile client run at once.
 HOSTILE = {
     "chunk_flood": 2,  # 50,000 one-byte chunks per upload, back to back
@@ -25,19 +33,24 @@ HOSTILE = {
     "idle_proxy": 50,  # one request, then an idle keep-alive connection
     "idle_metrics": 50,  # one scrape, then an idle keep-alive connection
 }
+# What every kind must have done before the run ends, however slow the machine.
+QUOTA = {"chunk_flood": 1, "slow_body": 1, "byte_drip_bytes": 1, "idle_keepalive": 1,
+         "huge_line": 1}  # fmt: skip
+
+
+def assert_kept_its_promise(run: Measured) -> None:
+    assert run.stall <= STALL_BOUND, f"the sidecar held its loop for {run.stall:.3f} s"
+    assert not run.probe.failures, run.probe.failures[:5]
+    # keepalives kept coming (at least one per two intervals, whatever else ran here)
+    assert run.stream.body.count(b": preempt-keepalive") >= PARK_S / PARK_KEEPALIVE / 2
 
 
 @pytest.mark.slow
 @pytest.mark.serial
 def test_a_parked_stream_keeps_its_promise_under_hostile_clients() -> None:
-    bound = PARK_KEEPALIVE + 0.1
-    quiet = require_a_machine_that_keeps_time(bound, PARK_KEEPALIVE)
-    run = measure_park(HOSTILE, PARK_S, PARK_KEEPALIVE)
-    print(f"\nfairness, alone: {quiet.summary()}\nfairness, hostile: {run.summary()}")
-    assert run.gap <= bound, f"longest silence while parked {run.gap:.3f} s"
-    assert not run.probe.failures, run.probe.failures[:5]
-    assert max(run.probe.latencies) < 1.0, f"/healthz took up to {max(run.probe.latencies):.3f} s"
-    assert run.stream.body.count(b": preempt-keepalive") >= PARK_S // PARK_KEEPALIVE - 1
+    run = measure_park(HOSTILE, PARK_S, PARK_KEEPALIVE, quota=QUOTA)
+    print(f"\nfairness, hostile: {run.summary()}")
+    assert_kept_its_promise(run)
     # every kind of hostile client really ran
     for kind in ("chunk_flood", "slow_body", "byte_drip_bytes", "idle_keepalive"):
         assert run.done[kind] > 0, kind
@@ -51,19 +64,16 @@ PRIORITY_ATTACKS = {
     "rewrite_30mib": 3,  # a 30 MiB completion body of {},{},... each, back to back
     "stalled_reader": 10,  # asks for the 16 MB line and never reads a byte
 }
+PRIORITY_QUOTA = {"rewrite_30mib": 1, "stalled_reader": 10, "priority_bypass_200": 1}
 
 
 @pytest.mark.slow
 @pytest.mark.serial
 def test_a_parked_stream_keeps_its_promise_under_attacks_on_the_priority_rule() -> None:
-    bound = PARK_KEEPALIVE + 0.1
-    quiet = require_a_machine_that_keeps_time(bound, PARK_KEEPALIVE, **PRIORITY_RULE)
-    run = measure_park(PRIORITY_ATTACKS, PARK_S, PARK_KEEPALIVE, **PRIORITY_RULE)
-    print(f"\npriority attacks, alone: {quiet.summary()}\npriority attacks: {run.summary()}")
-    assert run.gap <= bound, f"longest silence while parked {run.gap:.3f} s"
-    assert not run.probe.failures, run.probe.failures[:5]
-    assert max(run.probe.latencies) < 1.0, f"/healthz took up to {max(run.probe.latencies):.3f} s"
-    assert run.stream.body.count(b": preempt-keepalive") >= PARK_S // PARK_KEEPALIVE - 1
+    run = measure_park(PRIORITY_ATTACKS, PARK_S, PARK_KEEPALIVE, quota=PRIORITY_QUOTA,
+                       **PRIORITY_RULE)  # fmt: skip
+    print(f"\npriority attacks: {run.summary()}")
+    assert_kept_its_promise(run)
     assert run.done["rewrite_30mib"] > 0, run.done
     assert run.done["stalled_reader"] == PRIORITY_ATTACKS["stalled_reader"]
     # (what each attempt got is tests/hostile/test_priority_bypass.py's business: here the

@@ -18,7 +18,8 @@ import anyio
 import pytest
 
 from sidecar.proxy.server import Sidecar
-from tests.hostile.load import measure_park, require_a_machine_that_keeps_time
+from tests.hostile.load import measure_park
+from tests.hostile.test_fairness import STALL_BOUND
 from tests.support.fake_upstream import FakeUpstream
 from tests.support.fixtures import SidecarFactory
 from tests.support.rawclient import RawConn
@@ -52,7 +53,11 @@ async def test_slow_bodies_hold_no_upstream_connection(
 async def test_one_deadline_for_the_whole_body(
     fake: FakeUpstream, sidecar_factory: SidecarFactory
 ) -> None:
-    """A byte every 0.2 s never trips a per-read timeout; the total deadline does."""
+    """A byte every 0.2 s never trips a per-read timeout; the total deadline does.
+
+    The bytes are counted on the loop the deadline runs on (in memory), so their number
+    bounds the deadline whatever the machine's load."""
+    sent = 0
     async with (
         sidecar_factory(fake.url, body_timeout=1.0) as sc,
         await RawConn.open(sc.url) as c,
@@ -62,15 +67,18 @@ async def test_one_deadline_for_the_whole_body(
         async with anyio.create_task_group() as tg:
 
             async def drip() -> None:
+                nonlocal sent
                 while True:
                     await c.send(b"a")
+                    sent += 1
                     await anyio.sleep(0.2)
 
             tg.start_soon(drip)
             status_line = await c.read_until(b"\r\n", timeout=5)
             tg.cancel_scope.cancel()
         assert status_line.startswith(b"HTTP/1.1 408 Request Timeout")
-        assert 0.9 < time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 > 0.9
+        assert sent <= 1.0 / 0.2 + 2  # one deadline for the body, not one per read
         assert fake.conns == []
 
 
@@ -136,16 +144,17 @@ async def test_a_body_larger_than_the_buffer_spills_and_arrives_intact(
 @pytest.mark.slow
 @pytest.mark.serial
 def test_a_chunk_flood_stalls_no_other_stream() -> None:
-    """50,000 one-byte chunks per upload, two uploaders back to back, during a 5 s park.
+    """50,000 one-byte chunks per upload, two uploaders back to back, during a park.
 
     The old code spent seconds per upload without yielding: the parked stream went
     4.5 s without a byte (its promise is the 1 s park keepalive) and /healthz waited 6 s.
+    Now no turn of the sidecar's loop takes long (its waits for a CPU left out: see
+    :mod:`tests.hostile.load`), however busy the machine.
     """
-    require_a_machine_that_keeps_time(1.0 + 0.1)
-    run = measure_park({"chunk_flood": 2}, park=5.0)
+    run = measure_park({"chunk_flood": 2}, park=2.5, park_keepalive=0.5,
+                       quota={"chunk_flood": 2})  # fmt: skip
     print(f"\nchunk flood: {run.summary()}")
-    assert run.gap <= 1.0 + 0.1, f"longest silence while parked {run.gap:.3f} s"
-    assert max(run.probe.latencies) < 1.0, f"/healthz took up to {max(run.probe.latencies):.3f} s"
+    assert run.stall <= STALL_BOUND, f"the sidecar held its loop for {run.stall:.3f} s"
     assert not run.probe.failures, run.probe.failures
-    assert run.stream.body.count(b": preempt-keepalive") >= 3
+    assert run.stream.body.count(b": preempt-keepalive") >= 2.5 / 0.5 / 2
     assert run.done["chunk_flood"] >= 2, "the uploads did not get through"
