@@ -3,8 +3,9 @@
 The pinned tools/ui (from the extracted source build_llama.sh keeps in its cache) gets the
 series' UI patches (those that change tools/ui only) in a temporary copy, which borrows the
 node_modules that build_llama.sh installed from the same lock file. The tests cover the SSE
-notice parser and the chat service's pause reports; the pristine UI fails them (no parser,
-no onPause)."""
+notice parser, the chat service's pause reports and the note a paused reply keeps; the pristine
+UI fails them (no parser, no onPause). They run alone, in node, under a config of their own
+(vitest/vitest.config.ts here): the UI's config sets up browser projects they do not use."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from tests.conftest import REPO
 pytestmark = pytest.mark.slow
 
 UI_TESTS = ["tests/unit/stream-notices.test.ts"]
+CONFIG = Path(__file__).parent / "vitest"
 
 
 def ui_patches() -> list[Path]:
@@ -55,8 +57,10 @@ def test_vitest_stream_notices(tmp_path: Path) -> None:
                        check=True, capture_output=True)  # fmt: skip
     ui = root / "tools/ui"
     (ui / "node_modules").symlink_to(modules)
-    proc = subprocess.run(["npx", "vitest", "--project=unit", "--run", *UI_TESTS], cwd=ui,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+    for f in ("vitest.config.ts", "lucide-stub.ts"):  # the pinned UI has neither
+        shutil.copy(CONFIG / f, ui / f)
+    proc = subprocess.run(["npx", "vitest", "--run", "--config", "vitest.config.ts", *UI_TESTS],
+                          cwd=ui, capture_output=True, text=True, timeout=600)  # fmt: skip
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     assert re.search(r"Tests\s+\S*\s*\d+ passed", re.sub(r"\x1b\[[0-9;]*m", "", out)), out[-2000:]

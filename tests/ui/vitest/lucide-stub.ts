@@ -1,0 +1,2 @@
+// No icons: see vitest.config.ts.
+export {};
