@@ -6,13 +6,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import OVERFLOW_ARGS, RunUp
+from tests.e2e.conftest import OVERFLOW_ARGS
 from tests.support.llama import parse_metrics
+from tests.support.up import UpProcess
 
 # serial: two streams must overlap to overflow the pool; beside another worker the second one
 # started after the first had ended, and nothing parked (seen once in a CI run)
@@ -24,10 +26,26 @@ def server_counters(url: str) -> tuple[float, float]:
     return m["n_preempt_total"], m["n_resume_total"]
 
 
-def test_probe_reports_the_parks_the_server_reports(run_preempting_up: RunUp,
-                                                    tmp_path: Path) -> None:  # fmt: skip
-    up = run_preempting_up(*OVERFLOW_ARGS, "--", "-t", "1")
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory, preempting_server_bin: Path,
+       tiny_model: Path) -> Iterator[UpProcess]:  # fmt: skip
+    """One overflowing pair for both tests: each counts what its own probe run added."""
+    tmp = tmp_path_factory.mktemp("probe-up")
+    up = UpProcess(["--server-bin", str(preempting_server_bin), "--model", str(tiny_model),
+                    *OVERFLOW_ARGS, "--", "-t", "1"], tmp)  # fmt: skip
+    try:
+        yield up.start(timeout=240)
+    finally:
+        up.kill()
+
+
+def sidecar_counters(up: UpProcess) -> dict[str, float]:
+    return parse_metrics(httpx.get(up.metrics_url, timeout=30).text, prefix="llama_sidecar_")
+
+
+def test_probe_reports_the_parks_the_server_reports(up: UpProcess, tmp_path: Path) -> None:
     parks0, resumes0 = server_counters(up.server_url)
+    sidecar0 = sidecar_counters(up)
     png = tmp_path / "probe.png"
     cmd = [sys.executable, "-c", "from sidecar.cli import main; main()", "probe", up.url,
            "--streams", "2", "--max-tokens", "160", "--json", "--plot", str(png)]  # fmt: skip
@@ -47,14 +65,15 @@ def test_probe_reports_the_parks_the_server_reports(run_preempting_up: RunUp,
     assert totals["parks"] == parks1 - parks0
     assert totals["resumes"] == resumes1 - resumes0
     # The sidecar counted the same parks.
-    sidecar = parse_metrics(httpx.get(up.metrics_url, timeout=30).text, prefix="llama_sidecar_")
-    assert sidecar["parks_total"] == totals["parks"] == parks1 - parks0
-    assert sidecar["resumes_total"] == totals["resumes"] == resumes1 - resumes0
+    sidecar = sidecar_counters(up)
+    sidecar_parks = sidecar["parks_total"] - sidecar0["parks_total"]
+    sidecar_resumes = sidecar["resumes_total"] - sidecar0["resumes_total"]
+    assert sidecar_parks == totals["parks"] == parks1 - parks0
+    assert sidecar_resumes == totals["resumes"] == resumes1 - resumes0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_probe_prints_a_timeline_and_a_table(run_preempting_up: RunUp) -> None:
-    up = run_preempting_up(*OVERFLOW_ARGS, "--", "-t", "1")
+def test_probe_prints_a_timeline_and_a_table(up: UpProcess) -> None:
     cmd = [sys.executable, "-c", "from sidecar.cli import main; main()", "probe", up.url,
            "-n", "2", "-t", "160"]  # fmt: skip
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
