@@ -222,7 +222,7 @@ def _random_split_script(seed: int) -> tuple[Script, bytes]:
     script: Script = [sse_head()]
     for a, b in zip([0, *cuts], [*cuts, len(stream)], strict=True):
         # pauses of half, one and a half and three keepalive intervals
-        script += [("send", stream[a:b]), ("sleep", rng.choice([0.0, 0.02, 0.06, 0.12]))]
+        script += [("send", stream[a:b]), ("sleep", rng.choice([0.0, 0.0125, 0.0375, 0.075]))]
     return [*script, ("end",)], stream
 
 
@@ -257,7 +257,7 @@ async def test_keepalive_never_inside_an_event_under_random_splits(
     script, stream = _random_split_script(seed)
     fake.route("/v1/chat/completions", script)
     async with (
-        sidecar_factory(fake.url, park_keepalive=0.04) as sc,
+        sidecar_factory(fake.url, park_keepalive=0.025) as sc,
         await RawConn.open(sc.url) as c,
     ):
         await c.send(b"GET /v1/chat/completions HTTP/1.1\r\nHost: x\r\n\r\n")
