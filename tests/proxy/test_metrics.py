@@ -115,17 +115,18 @@ async def test_upstream_down_metrics(sidecar_factory: SidecarFactory) -> None:
     assert v(m, "llama_sidecar_requests_total", route="/health", status_class="5xx") == 1
 
 
-@pytest.mark.slow
 async def test_labels_bounded_under_many_paths(fake: FakeUpstream, sidecar: Sidecar) -> None:
+    # 300 distinct paths: a route label per path would give each of them a request counter and
+    # two histograms (thousands of samples against the bound of 400 below)
     async with http_client() as c:
-        for i in range(1000):
+        for i in range(300):
             r = await c.get(f"{sidecar.url}/x/{i}/{'y' * (i % 7)}?id={i}")
             assert r.status_code == 200
         await c.get(sidecar.url + "/slots/3?action=save")
     m = await scrape(sidecar)
     routes = {dict(labels).get("route") for (name, labels) in m if "route" in dict(labels)}
     assert routes <= KNOWN_ROUTES | {"other"}
-    assert v(m, "llama_sidecar_requests_total", route="other", status_class="2xx") == 1000
+    assert v(m, "llama_sidecar_requests_total", route="other", status_class="2xx") == 300
     assert v(m, "llama_sidecar_requests_total", route="/slots", status_class="2xx") == 1
     assert len(m) < 400
 
