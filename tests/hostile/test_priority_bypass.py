@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+from collections.abc import Iterator
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -26,9 +27,10 @@ import pytest
 from sidecar.core.routes import GENERATING_ROUTES, OTHER_POST_ROUTES
 from sidecar.paths import cache_dir
 from sidecar.proxy.server import Sidecar
-from tests.conftest import REPO, StartServer
+from tests.conftest import REPO
 from tests.support.fake_upstream import FakeUpstream, fake_upstream_in_thread
 from tests.support.fixtures import SidecarFactory
+from tests.support.llama import LlamaServer
 from tests.support.nginx import NGINX, start_nginx
 from tests.support.rawclient import RawConn
 from tests.support.sidecar import ephemeral_config, run_in_thread
@@ -223,6 +225,19 @@ SERVER_ARGS = ["--kv-unified", "--metrics", "--slots", "-t", "1", "-tb", "1", "-
                "--preempt-ram", "1024", "-c", "512", "-np", "2"]  # fmt: skip
 
 
+@pytest.fixture(scope="module")
+def forced_parks_server(
+    llama_server_bin: Path, tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[LlamaServer]:
+    """One server for the module's real-server tests: each diffs the counters around each
+    request it sends."""
+    srv = LlamaServer(llama_server_bin, tiny_model, SERVER_ARGS, FORCED_PARKS,
+                      log_path=tmp_path_factory.mktemp("bypass") / "llama-server.log")  # fmt: skip
+    srv.start()
+    yield srv
+    srv.stop()
+
+
 def parks_by_class(url: str) -> dict[str, float]:
     from tests.server.preempt_helpers import metrics
 
@@ -243,9 +258,9 @@ def send(url: str, raw: bytes) -> tuple[int, bytes]:
 @pytest.mark.server
 @pytest.mark.slow
 def test_no_attack_runs_above_the_operators_priority_on_the_real_server(
-    start_server: StartServer,
+    forced_parks_server: LlamaServer,
 ) -> None:
-    srv = start_server(args=SERVER_ARGS, env=FORCED_PARKS)
+    srv = forced_parks_server
     config = ephemeral_config(srv.url, **RULE)
     ran: dict[str, tuple[int, dict[str, float]]] = {}
     sidecar: Sidecar
@@ -293,12 +308,12 @@ NOT_SENT = {
 @pytest.mark.server
 @pytest.mark.slow
 def test_every_generating_route_runs_at_the_operators_priority_on_the_real_server(
-    start_server: StartServer,
+    forced_parks_server: LlamaServer,
 ) -> None:
     """The spliced field reaches the task on each route: llama-server's conversions keep it
     (a conversion that rebuilt the body would park the request as 'normal' here)."""
     assert {r.encode() for r in [*ROUTE_BODIES, *NOT_SENT]} == GENERATING_ROUTES
-    srv = start_server(args=SERVER_ARGS, env=FORCED_PARKS)
+    srv = forced_parks_server
     ran = {}
     with run_in_thread(ephemeral_config(srv.url, **RULE)) as sidecar:
         for route, fields in ROUTE_BODIES.items():
