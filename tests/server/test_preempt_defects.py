@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import re
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import httpx
 import pytest
@@ -27,6 +28,7 @@ from tests.server.preempt_helpers import (
     completion_body,
     count_lines,
     metrics,
+    run_concurrently,
     slots,
     token_prompt,
     wait_for,
@@ -34,10 +36,12 @@ from tests.server.preempt_helpers import (
 )
 from tests.server.test_preempt_fuzz import Response, check_notices, parse_stream, post
 from tests.server.test_preempt_kv import assert_same, solo_then_together
-from tests.support.llama import ServerDied
+from tests.support.llama import LlamaServer, ServerDied
 from tests.support.sse_client import StreamLog, stream_sse
 
 pytestmark = [pytest.mark.server]
+
+T = TypeVar("T")
 
 
 def body(prompt: list[int] | list[list[int]], n_predict: int, **extra: Any) -> dict[str, Any]:
@@ -70,6 +74,59 @@ def in_background(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
 def generating(url: str, n_decoded: int, n_slots: int = 1) -> bool:
     busy = [s for s in slots(url) if s["is_processing"] and not s.get("is_preempted")]
     return sum(1 for s in busy if s["next_token"][0]["n_decoded"] >= n_decoded) >= n_slots
+
+
+class Background(Generic[T]):
+    """fn() on a thread; result() joins it and returns what fn returned (or raises what it
+    raised)."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self.out: dict[str, Any] = {}
+        self.thread = threading.Thread(target=self._run, args=(fn,), daemon=True)
+        self.thread.start()
+
+    def _run(self, fn: Callable[[], T]) -> None:
+        try:
+            self.out["res"] = fn()
+        except BaseException as e:  # surfaced by result()
+            self.out["err"] = e
+
+    def result(self, timeout: float = 300.0) -> T:
+        self.thread.join(timeout)
+        assert not self.thread.is_alive(), f"no answer after {timeout:.0f} s"
+        if "err" in self.out:
+            raise self.out["err"]
+        return self.out["res"]  # type: ignore[no-any-return]
+
+
+def grown_alone(srv: LlamaServer, fn: Callable[[], T], n_prompt: int, holding: int,
+                what: str = "A", n_slots: int = 1) -> Background[T]:
+    """Starts A (fn, whose prompt is `n_prompt` tokens) in the background and returns once its
+    slot (its `n_slots` slots) holds `holding` cells, the rest generated (a size read from
+    /slots, not a delay). Most of A's size is its prompt: a prompt token costs a fraction of a
+    generated one, and from the next request's arrival on, the two are what they were with a
+    short prompt and a long answer."""
+    a = Background(fn)
+    wait_for(lambda: generating(srv.url, holding - n_prompt, n_slots),
+             what=f"{what} holding {holding} cells", timeout=240)  # a condition, not a time limit
+    return a
+
+
+def park_a_pair(srv: LlamaServer) -> Background[list[StreamLog]]:
+    """Two streams that overflow a 256-cell pool together: A (116 prompt tokens, 92 generated)
+    and B (96 and 24). They fill it after about 17 tokens each; B, the smaller, is parked while
+    A generates its last 75 or so (A ends at 208 cells: a small request still fits beside it),
+    and comes back for its last few when A ends. Returns once a slot is parked; the result is
+    [A, B]."""
+    def one(prompt: list[int], n_predict: int) -> Callable[[], StreamLog]:
+        body = completion_body(prompt, n_predict, stream=True)
+        return lambda: stream_sse(f"{srv.url}/completion", body)
+
+    pair = Background(lambda: run_concurrently([one(token_prompt(116, 50), 92),
+                                                one(token_prompt(96, 51), 24)]))
+    wait_for(lambda: any(s.get("is_preempted") for s in slots(srv.url)), what="a parked slot",
+             timeout=240)  # a condition, not a time limit
+    return pair
 
 
 def assert_complete(res: Response, n_results: int, prompt_lens: list[int], n_predict: int,
@@ -132,17 +189,15 @@ def test_recompute_restore_keeps_the_slot_size(start_server: StartServer) -> Non
 
 def test_an_n_cmpl_family_does_not_block_parking(start_server: StartServer,
                                                  slow_model: Path) -> None:
-    """A generates alone; B (an n_cmpl 2 family) arrives when A holds 308 cells. Each fits alone
-    (488 and 208 cells of
-    512), together they do not: something must be parked, and both must complete (before the fix
-    nothing was parkable and both streams died with the context error)."""
+    """A (a 300-token prompt) generates alone; B (an n_cmpl 2 family) arrives when A holds 308
+    cells. Each fits alone (488 and 208 cells of 512), together they do not: something must be
+    parked, and both must complete (before the fix nothing was parkable and both streams died
+    with the context error)."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "512", "-np", "3"])
-    ta, a = in_background(lambda: streamed(srv.url, body(token_prompt(8, 1), 480)))
-    wait_for(lambda: generating(srv.url, 300), what="A holding 308 cells")
+    a = grown_alone(srv, lambda: streamed(srv.url, body(token_prompt(300, 1), 188)), 300, 308)
     b = streamed(srv.url, body(token_prompt(8, 2), 100, n_cmpl=2))
-    ta.join(300)
     assert_complete(b, 2, [8], 100, multi_prompt=False, family=True)
-    assert_complete(a["res"], 1, [8], 480, multi_prompt=False)
+    assert_complete(a.result(), 1, [300], 188, multi_prompt=False)
     m = wait_settled(srv.url)
     assert m["n_preempt_total"] >= 1
     assert m["n_resume_total"] == m["n_preempt_total"]
@@ -175,20 +230,19 @@ def test_no_unpaired_park_when_a_sibling_ends_the_stream(start_server: StartServ
     the first request is parked. Every `: preempted` of the stream must be paired, whatever ends
     it (before the fix, an error of one prompt ended the stream with its sibling still parked)."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "512", "-np", "4"])
-    prompts = [token_prompt(8, 6), token_prompt(8, 7)]
-    ta, a = in_background(lambda: streamed(srv.url, body(prompts, 400)))
-    # the family arrives when the two prompts hold about 200 cells each: the pool then overflows
-    # while the family runs, one prompt is parked, and the other (the leader) must make room
-    wait_for(lambda: generating(srv.url, 200, n_slots=2), what="both prompts generating",
-             timeout=240)  # a condition, not a time limit: the slow model on a loaded machine
+    prompts = [token_prompt(192, 6), token_prompt(192, 7)]
+    # the family arrives when the two prompts hold about 200 cells each (408 at their end): the
+    # pool then overflows while the family runs, one prompt is parked, and the other (the
+    # leader) must make room
+    a = grown_alone(srv, lambda: streamed(srv.url, body(prompts, 216)), 192, 200,
+                    what="both prompts", n_slots=2)
     b = streamed(srv.url, body(token_prompt(8, 8), 150, n_cmpl=2))
-    ta.join(300)
-    res: Response = a["res"]
+    res = a.result()
     assert res.status == 200
     check_notices(Notices(True), res)  # type: ignore[arg-type]
     check_notices(Notices(True), b)  # type: ignore[arg-type]  # a family: named notices
     # both fit alone, so both complete
-    assert_complete(res, 2, [8, 8], 400, multi_prompt=True)
+    assert_complete(res, 2, [192, 192], 216, multi_prompt=True)
     assert_complete(b, 2, [8], 150, multi_prompt=False, family=True)
     wait_settled(srv.url)
 
@@ -225,16 +279,11 @@ def test_admission_waits_behind_a_parked_head(start_server: StartServer, slow_mo
     although a slot is free and the pool has room for it: admitted first, a stream of small
     requests would take the room the parked head waits for and keep it parked indefinitely."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "3"])
-    # two prompts that overflow the pool together (8 + 200 cells each): one is parked while the
-    # other grows, and it comes back when the other ends
-    pair = completion_body([token_prompt(8, 50), token_prompt(8, 51)], 200, stream=True)
-    t_pair, out = in_background(lambda: stream_sse(f"{srv.url}/completion", pair))
-    wait_for(lambda: any(s.get("is_preempted") for s in slots(srv.url)), what="a parked slot",
-             timeout=240)  # a condition, not a time limit
+    pair = park_a_pair(srv)
     newcomer = stream_sse(f"{srv.url}/completion",
                           completion_body(token_prompt(8, 52), 8, stream=True))
-    t_pair.join(300)
-    parked: StreamLog = out["res"]
+    parked = next(log for log in pair.result()
+                  if any(line.startswith(": resumed") for _, line in log.lines))
     assert parked.status == 200
     assert newcomer.status == 200
     assert len(newcomer.tokens()) == 8

@@ -12,7 +12,9 @@ thread and fails as soon as the server's log shows the loop (a marker line repea
 what progress needs) or a generous limit passes. Sizes are chosen so that the state each test
 needs comes from the token counts, not from the model's speed; where a second request must meet
 the first at a given size, it is sent when /slots reports that size (the "slow" generated model,
-as in test_preempt_defects.py).
+as in test_preempt_defects.py). The first request reaches that size mostly with its prompt and
+the last few cells generated: a prompt token costs a fraction of a generated one, and from the
+second request's arrival on, the two are what they were with a short prompt and a long answer.
 """
 
 from __future__ import annotations
@@ -48,9 +50,15 @@ from tests.server.preempt_helpers import (
     wait_for,
     wait_settled,
 )
-from tests.server.test_preempt_defects import assert_complete, body, generating, streamed
+from tests.server.test_preempt_defects import (
+    assert_complete,
+    body,
+    grown_alone,
+    park_a_pair,
+    streamed,
+)
 from tests.support.llama import LlamaServer
-from tests.support.sse_client import StreamLog, stream_sse
+from tests.support.sse_client import stream_sse
 from tests.support.tinymm import MmprojSpec, image_prompt, png, write_mmproj
 from tests.support.tinymodel import SPECS, cached, ensure_model
 
@@ -125,18 +133,12 @@ def test_a_split_batch_gives_the_children_the_whole_prompt(start_server: StartSe
     srv = start_server(model=slow_model,
                        args=[*BASE, *PARK, "-c", "256", "-np", "3", "-b", "64", "-ub", "64"],
                        env=PLANNER_OFF)
-    ta: dict[str, Any] = {}
-    thread = threading.Thread(
-        target=lambda: ta.update(res=streamed(srv.url, body(token_prompt(8, 71), 200))),
-        daemon=True)
-    thread.start()
-    # A's 8 prompt tokens plus 122 generated: the family's second batch then meets 33-62 free
-    # cells (a condition on A's size, not a delay)
-    wait_for(lambda: generating(srv.url, 122), what="A holding 130 cells", timeout=240)
+    # A's 122 prompt tokens plus 8 generated (208 cells at its end): the family's second batch
+    # then meets 33-62 free cells
+    a = grown_alone(srv, lambda: streamed(srv.url, body(token_prompt(122, 71), 86)), 122, 130)
     fam = bounded(srv, lambda: streamed(srv.url, body(token_prompt(126, 72), 24, n_cmpl=2)))
-    thread.join(300)
     assert_complete(fam, 2, [126], 24, multi_prompt=False, family=True)
-    assert_complete(ta["res"], 1, [8], 200, multi_prompt=False)
+    assert_complete(a.result(), 1, [122], 86, multi_prompt=False)
     log = srv.log_text()
     assert count_lines(log, LAST_RESORT_LINE) >= 1, "the family's batch fitted: no split batch"
     # "N tokens rewound to the cache boundary (K tokens), back to prompt processing"
@@ -230,7 +232,7 @@ def test_an_image_chunk_that_does_not_fit_is_treated_as_a_prompt_that_does_not_f
     start_server: StartServer, slow_model: Path,
 ) -> None:
     """Planner off (the retry ladder and the last resort decide), a 256-cell pool. A generates
-    alone (8 + 240 cells); a prompt that opens with four images in a row (64 cells) arrives when
+    alone (190 + 58 cells); a prompt that opens with four images in a row (64 cells) arrives when
     A holds about 200 cells: the images do not fit beside it. Image chunks are
     decoded on their own while the batch is built, outside the batch's retry ladder: the failed
     decode was answered 500 "failed to process mtmd chunk", nothing parked (the fuzz harness met
@@ -240,22 +242,17 @@ def test_an_image_chunk_that_does_not_fit_is_treated_as_a_prompt_that_does_not_f
                                                "-c", "256", "-np", "2"], env=PLANNER_OFF)
     marker = httpx.get(f"{srv.url}/props", timeout=10).json()["media_marker"]
     prompt = image_prompt([*(png(128, 48, 20 + i) for i in range(4)), " what is it?"], marker)
-    ta: dict[str, Any] = {}
-    thread = threading.Thread(
-        target=lambda: ta.update(res=complete(srv.url, token_prompt(8, 21), 240, timeout=600)),
-        daemon=True)
-    thread.start()
     # A holds 198-248 cells when the images come: 64 cells do not fit beside it
-    wait_for(lambda: generating(srv.url, 190), what="A holding 198 cells", timeout=240)
+    ta = grown_alone(srv, lambda: complete(srv.url, token_prompt(190, 21), 58, timeout=600),
+                     190, 198)
     got = bounded(srv, lambda: complete(srv.url, prompt, 16, timeout=600), loop_marker=PARK_LINE)
-    thread.join(300)
+    a = ta.result()
     log = srv.log_text()
     assert "failed to process mtmd chunk" not in log
     assert got.ok, got.error
     assert got.n_predicted == 16
-    a = ta["res"]
     assert a.ok, a.error
-    assert a.n_predicted == 240
+    assert a.n_predicted == 58
     assert count_lines(log, "a media chunk found no room") >= 1, "the images fitted: no overflow"
     assert got.preempt["parks"] >= 1, got.preempt
     m = wait_settled(srv.url)
@@ -269,23 +266,19 @@ def test_an_image_chunk_that_does_not_fit_is_treated_as_a_prompt_that_does_not_f
 def test_a_low_priority_family_is_parked_before_a_high_priority_request(
     start_server: StartServer, slow_model: Path,
 ) -> None:
-    """A (priority 5) generates alone; an n_cmpl 2 family of priority 0 arrives when A holds 308
-    cells. Each fits the 512-cell pool alone, together they do not. The lowest rank is parked
-    first, families included: the family is parked whole and A never is (it used to be, the
-    leader being parked first whenever every other slot is in a family)."""
+    """A (priority 5, a 300-token prompt) generates alone; an n_cmpl 2 family of priority 0
+    arrives when A holds 308 cells. Each fits the 512-cell pool alone, together they do not.
+    The lowest rank is parked first, families included: the family is parked whole and A never
+    is (it used to be, the leader being parked first whenever every other slot is in a
+    family)."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "512", "-np", "3"])
-    ta: dict[str, Any] = {}
-    thread = threading.Thread(
-        target=lambda: ta.update(res=streamed(srv.url, body(token_prompt(8, 1), 480, priority=5))),
-        daemon=True)
-    thread.start()
-    wait_for(lambda: generating(srv.url, 300), what="A holding 308 cells", timeout=240)
+    ta = grown_alone(srv, lambda: streamed(srv.url, body(token_prompt(300, 1), 188, priority=5)),
+                     300, 308)
     fam = bounded(srv, lambda: streamed(srv.url, body(token_prompt(8, 2), 100, n_cmpl=2,
                                                        priority=0)))
-    thread.join(300)
+    a = ta.result()
     fam_finals = assert_complete(fam, 2, [8], 100, multi_prompt=False, family=True)
-    a = ta["res"]
-    a_finals = assert_complete(a, 1, [8], 480, multi_prompt=False)
+    a_finals = assert_complete(a, 1, [300], 188, multi_prompt=False)
     assert b": preempted" not in a.body, "the priority-5 request was parked"
     assert a_finals[0]["preempt"]["parks"] == 0, a_finals[0]["preempt"]
     assert all(f["preempt"]["parks"] >= 1 for f in fam_finals.values()), fam_finals
@@ -297,25 +290,20 @@ def test_a_low_priority_family_is_parked_before_a_high_priority_request(
 def test_a_family_restored_member_by_member_is_parked_member_by_member(
     start_server: StartServer, slow_model: Path,
 ) -> None:
-    """A (priority 5) generates alone; an n_cmpl 3 family of priority 0 with a 100-token prompt
-    arrives when A holds 308 cells. The family fits the 512-cell pool alone with its prompt
-    shared (100 + 3 x 120 cells), not with it copied (3 x 220). It is parked whole while A
-    grows, and comes back member by member when A ends, each member restored with its own copy
-    of the prompt: the three outgrew the pool, no member could be parked (a family is parked
-    only whole, and its members were the only slots), and all three got the context error
-    (mixed fuzz seed 976). A restored member now holds its own cells and is parked on its own:
-    the members take turns and every result completes."""
+    """A (priority 5, a 300-token prompt) generates alone; an n_cmpl 3 family of priority 0 with
+    a 100-token prompt arrives when A holds 308 cells. The family fits the 512-cell pool alone
+    with its prompt shared (100 + 3 x 120 cells), not with it copied (3 x 220). It is parked
+    whole while A grows, and comes back member by member when A ends, each member restored with
+    its own copy of the prompt: the three outgrew the pool, no member could be parked (a family
+    is parked only whole, and its members were the only slots), and all three got the context
+    error (mixed fuzz seed 976). A restored member now holds its own cells and is parked on its
+    own: the members take turns and every result completes."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "512", "-np", "4"])
-    ta: dict[str, Any] = {}
-    thread = threading.Thread(
-        target=lambda: ta.update(res=streamed(srv.url, body(token_prompt(8, 3), 480, priority=5))),
-        daemon=True)
-    thread.start()
-    wait_for(lambda: generating(srv.url, 300), what="A holding 308 cells", timeout=240)
+    ta = grown_alone(srv, lambda: streamed(srv.url, body(token_prompt(300, 3), 188, priority=5)),
+                     300, 308)
     fam = bounded(srv, lambda: streamed(srv.url, body(token_prompt(100, 4), 120, n_cmpl=3,
                                                        priority=0)), loop_marker=PARK_LINE)
-    thread.join(300)
-    assert_complete(ta["res"], 1, [8], 480, multi_prompt=False)
+    assert_complete(ta.result(), 1, [300], 188, multi_prompt=False)
     fam_finals = assert_complete(fam, 3, [100], 120, multi_prompt=False, family=True)
     # parked whole once, then at least one member again on its own
     parks = sorted(f["preempt"]["parks"] for f in fam_finals.values())
@@ -341,19 +329,14 @@ def test_a_family_in_its_prompt_beside_a_leader_that_cannot_be_parked_waits(
                                                "-c", "256", "-np", "3"], env=FAIL_POOL)
     marker = httpx.get(f"{srv.url}/props", timeout=10).json()["media_marker"]
     prompt = image_prompt([*(png(128, 48, 30 + i) for i in range(2)), " what is it?"], marker)
-    ti: dict[str, Any] = {}
-    thread = threading.Thread(
-        target=lambda: ti.update(res=complete(srv.url, prompt, 190, timeout=600)), daemon=True)
-    thread.start()
     # 143-233 cells when the family comes: its 120 prompt tokens do not fit beside them
-    wait_for(lambda: generating(srv.url, 100), what="the image request holding 143 cells",
-             timeout=240)
+    ti = grown_alone(srv, lambda: complete(srv.url, prompt, 190, timeout=600), 43, 143,
+                     what="the image request")
     fam = bounded(srv, lambda: streamed(srv.url, body(token_prompt(120, 31), 16, n_cmpl=2)),
                   loop_marker=PARK_LINE)
-    thread.join(300)
+    got = ti.result()
     log = srv.log_text()
     assert CONTEXT_ERROR not in log
-    got = ti["res"]
     assert got.ok, got.error
     assert got.n_predicted == 190
     finals = assert_complete(fam, 2, [120], 16, multi_prompt=False, family=True)
@@ -442,20 +425,6 @@ def test_priority_is_not_read_with_preemption_off(start_server: StartServer,
 # requests behind the parked line: first come, first served; not silent; restore refused -------
 
 
-def park_a_pair(srv: LlamaServer, n_predict: int = 200) -> tuple[threading.Thread, dict[str, Any]]:
-    """Two prompts that overflow a 256-cell pool together (8 + n_predict cells each): one is
-    parked while the other grows, and comes back when the other ends. Returns once a slot is
-    parked."""
-    pair = completion_body([token_prompt(8, 50), token_prompt(8, 51)], n_predict, stream=True)
-    out: dict[str, Any] = {}
-    t = threading.Thread(target=lambda: out.update(res=stream_sse(f"{srv.url}/completion", pair)),
-                         daemon=True)
-    t.start()
-    wait_for(lambda: any(s.get("is_preempted") for s in slots(srv.url)), what="a parked slot",
-             timeout=240)  # a condition, not a time limit
-    return t, out
-
-
 def launched_tasks(log: str) -> list[int]:
     """Task ids in the order their slots started them."""
     return [task for _, task in slot_lines(log, "processing task, is_child")]
@@ -468,7 +437,7 @@ def test_requests_behind_the_parked_line_come_back_in_arrival_order(
     they wait behind the parked line and must start in arrival order once it is empty (they
     started C, E, D: the pop put each task in front of the one popped before it)."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "5"])
-    t_pair, _ = park_a_pair(srv)
+    pair = park_a_pair(srv)
     before = launched_tasks(srv.log_text())
     late: list[threading.Thread] = []
     for seed in (60, 61, 62):
@@ -485,7 +454,7 @@ def test_requests_behind_the_parked_line_come_back_in_arrival_order(
             return metrics(srv.url)["requests_deferred"] >= n
 
         wait_for(deferred, what=f"{n_late} deferred requests", timeout=60)
-    t_pair.join(300)
+    pair.result()
     for t in late:
         t.join(120)
     started = [task for task in launched_tasks(srv.log_text()) if task not in before]
@@ -505,11 +474,11 @@ def test_a_request_waiting_behind_the_parked_line_hears_queued_and_keepalives(
     keepalive)."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "3",
                                                "--preempt-keepalive", "1"])
-    t_pair, out = park_a_pair(srv)
+    pair = park_a_pair(srv)
     newcomer = stream_sse(f"{srv.url}/completion",
                           completion_body(token_prompt(8, 52), 8, stream=True))
-    t_pair.join(300)
-    parked: StreamLog = out["res"]
+    parked = next(log for log in pair.result()
+                  if any(line.startswith(": resumed") for _, line in log.lines))
     assert parked.status == newcomer.status == 200
     assert len(newcomer.tokens()) == 8
     lines = newcomer.lines
@@ -524,7 +493,9 @@ def test_a_request_waiting_behind_the_parked_line_hears_queued_and_keepalives(
     gaps = [b - a for a, b in itertools.pairwise(waiting)]
     assert all(line in (": queued", ": preempt-keepalive")
                for t, line in lines if t < t_first_data), lines[:10]
-    if t_first_data > 1.0:
+    # a wait longer than the interval and the reader's slack must have heard a keepalive (one
+    # just over 1 s may end with its first data before the keepalive due then)
+    if t_first_data > 1 + 1:
         assert count_lines("\n".join(line for _, line in lines), ": preempt-keepalive") >= 1
     assert max(gaps, default=0.0) <= 1 + 1, gaps
     # data is byte for byte what it is without the wait: the notice and keepalives are comments
@@ -542,12 +513,12 @@ def test_a_request_that_fails_at_launch_keeps_its_4xx_behind_the_parked_line(
     and got the 4xx at launch; the first build with `: queued` answered 200 + an in-stream error
     for the oversized prompt, which test_preempt_kv.py's seeded soak caught)."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "3"])
-    t_pair, _ = park_a_pair(srv)
+    pair = park_a_pair(srv)
     extra: dict[str, Any] = {"grammar": "root ::= ("} if bad == "grammar" else {}
     prompt = token_prompt(300 if bad == "oversized" else 8, 53)
     late = stream_sse(f"{srv.url}/completion",
                       completion_body(prompt, 8, stream=True, **extra))
-    t_pair.join(300)
+    pair.result()
     assert 400 <= late.status < 500, (late.status, late.lines[:3])
     assert not any(line == ": queued" for _, line in late.lines), late.lines[:3]
     wait_settled(srv.url)
@@ -570,13 +541,13 @@ def test_a_slot_restore_is_refused_while_a_request_is_parked(start_server: Start
     assert saved.status_code == 200, saved.text[:400]
     httpx.post(f"{srv.url}/slots/2?action=erase", timeout=60).raise_for_status()
 
-    t_pair, _ = park_a_pair(srv)
+    pair = park_a_pair(srv)
     idle = [s["id"] for s in slots(srv.url) if not s["is_processing"]]
     assert idle, "no idle slot"
     refused = httpx.post(f"{srv.url}/slots/{idle[0]}?action=restore",
                          json={"filename": "s2.bin"}, timeout=60)
     parked_then = any(s.get("is_preempted") for s in slots(srv.url))
-    t_pair.join(300)
+    pair.result()
     assert parked_then, "the park ended before the restore was asked: no test"
     assert 400 <= refused.status_code < 500, refused.text[:400]
     assert "parked" in refused.json()["error"]["message"]
