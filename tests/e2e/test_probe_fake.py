@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -29,11 +30,30 @@ def parking_up(tmp_path: Path, server_bin: Path, park_s: float) -> UpProcess:
     return up.start(timeout=60)
 
 
+@pytest.fixture(scope="module")
+def parking_ups(tmp_path_factory: pytest.TempPathFactory,
+                fake_server_bin: Path) -> Iterator[dict[str, UpProcess]]:  # fmt: skip
+    """The module's two stand-ins, started at once: one parks 1.2 s, one for good (60 s)."""
+    tmp = tmp_path_factory.mktemp("probe-fake")
+    parks = {"1s": 1.2, "forever": 60.0}
+    for name in parks:
+        (tmp / name).mkdir()
+    with ThreadPoolExecutor(len(parks)) as pool:
+        futures = {name: pool.submit(parking_up, tmp / name, fake_server_bin, park)
+                   for name, park in parks.items()}  # fmt: skip
+    ups = {name: f.result() for name, f in futures.items() if f.exception() is None}
+    try:
+        for future in futures.values():
+            future.result()  # a stand-in that did not start fails the tests
+        yield ups
+    finally:
+        for up in ups.values():
+            up.kill()
+
+
 @pytest.fixture
-def up_parking_1s(tmp_path: Path, fake_server_bin: Path) -> Iterator[UpProcess]:
-    up = parking_up(tmp_path, fake_server_bin, 1.2)
-    yield up
-    up.kill()
+def up_parking_1s(parking_ups: dict[str, UpProcess]) -> UpProcess:
+    return parking_ups["1s"]
 
 
 def test_probe_json_counts_what_the_server_sent_and_plots(
@@ -57,23 +77,20 @@ def test_probe_json_counts_what_the_server_sent_and_plots(
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_ctrl_c_prints_the_partial_summary(tmp_path: Path, fake_server_bin: Path) -> None:
-    up = parking_up(tmp_path, fake_server_bin, 60)
-    try:
-        proc = subprocess.Popen([*PROBE, up.url, "-n", "2", "-t", "6"], stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
-        assert proc.stdout is not None
-        seen: list[str] = []
-        deadline = time.monotonic() + 60
-        while sum(": preempted" in ln for ln in seen) < 2:
-            assert time.monotonic() < deadline, "".join(seen)
-            seen.append(proc.stdout.readline())
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=30)
-        assert proc.returncode == 130, "".join(seen) + out
-        rows = [ln.split() for ln in out.splitlines() if ln.startswith("#")]
-        assert [r[2] for r in rows[:2]] == ["error", "error"]
-        assert "#0: interrupted" in out
-        assert out.strip().splitlines()[-3].startswith("total")
-    finally:
-        up.kill()
+def test_ctrl_c_prints_the_partial_summary(parking_ups: dict[str, UpProcess]) -> None:
+    up = parking_ups["forever"]
+    proc = subprocess.Popen([*PROBE, up.url, "-n", "2", "-t", "6"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+    assert proc.stdout is not None
+    seen: list[str] = []
+    deadline = time.monotonic() + 60
+    while sum(": preempted" in ln for ln in seen) < 2:
+        assert time.monotonic() < deadline, "".join(seen)
+        seen.append(proc.stdout.readline())
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 130, "".join(seen) + out
+    rows = [ln.split() for ln in out.splitlines() if ln.startswith("#")]
+    assert [r[2] for r in rows[:2]] == ["error", "error"]
+    assert "#0: interrupted" in out
+    assert out.strip().splitlines()[-3].startswith("total")
