@@ -9,14 +9,17 @@ whether a "Reconnecting" status ever showed, and keeps a copy of every chat stre
 reads (the request body and the bytes, comments included): the final `"preempt"` record
 says whether the server parked that chat, and the body is replayed, unstreamed, against a
 llama-server without parks for the reference text. The text the page stored is compared
-with that reference.
+with that reference. A park can end within milliseconds, before the page renders anything:
+what the page must show for every pause, however short, is the note the reply keeps once it
+is over ("Paused 5 ms, waiting for memory."), which counts them; the live notice shows only
+while a pause lasts long enough to be drawn.
 
 * one chat with forced parks (`LLAMA_SERVER_PREEMPT_EVERY`) and a larger request beside it
   that leaves it no room for a while: the notice showed while parked, is gone at the end,
   and the text is the unparked one;
 * four chats in four tabs at once on a pool that fits about two: 4/4 finish with no error,
-  every chat the server parked (or queued) showed the pause, none other did, no
-  "Reconnecting", and `/metrics` agrees with the chats' records;
+  every chat the server parked (or queued) keeps a note counting its pauses, none other has
+  one or showed the notice, no "Reconnecting", and `/metrics` agrees with the chats' records;
 * the same four chats through nginx (docs/nginx.conf) whose read timeout is shorter than
   the parks;
 * `--api-key`: the page loads, asks for the key with its own prompt, and chats with it.
@@ -52,23 +55,30 @@ from tests.support.up import UpProcess
 pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.serial]
 
 # Greedy, a fixed length (the random weights would stop at random), so the chats' sizes are
-# known. Short replies to long messages: the generated "slow" model's replies drift from the
-# solo one by batch-shape float noise the longer they get (four at once drifted after 75 and
-# after 190 tokens), while the long prompts make the chats large, so that the parks last
-# seconds. llama.cpp rounds the context up to a multiple of 256.
-TOKENS = 40
+# known. Short replies to long messages: the long prompts make the chats large, and every
+# reply keeps a lead above NEAR_TIE (below) at each of its steps, so that batch-shape float
+# noise cannot change it. llama.cpp rounds the context up to a multiple of 256.
+TOKENS = 64
 SAMPLING = ("--temp", "0", "--top-k", "1", "-n", str(TOKENS), "--ignore-eos")
-# Four chats of about 230 (the message, and the tool definitions the UI sends) + 40 tokens in
-# 4 slots sharing 512 cells: about two fit at once.
+# Four chats of about 230 (the message, and the tool definitions the UI sends) + 64 tokens in
+# 4 slots sharing 512 cells: two prompts fit, two replies do not. The park lengths are counted
+# in the model's steps, not in seconds: a chat whose prompt does not fit waits for a whole reply
+# of another (64 steps), and two running chats overflow the pool when each holds 256 cells,
+# about 26 tokens in, so the one parked then waits for the other's last 38 or so.
 FOUR_POOL = ("--parallel", "4", "--ctx-size", "512", "--preempt-ram", "8192")
 # The sidecar's keepalives well within nginx's read timeout, itself shorter than the parks
-# (3 to 11 s). nginx moves a read deadline only when the new one is 300 ms or more past the
-# old, so a timeout of T can fire T - 0.3 s after the last byte: at 0.5 s it cut streams
-# whose keepalives came 0.27 s apart under load, and answered 504 to requests the loaded
-# sidecar had not answered within that (the page then resumed or failed those chats).
+# (0.4 to 12 s at load 13-19; the longest, a whole reply, takes seconds on an idle machine too).
+# nginx moves a read deadline only when the new one is 300 ms or more past the old, so a
+# timeout of T can fire T - 0.3 s after the last byte: at 0.5 s it cut streams whose
+# keepalives came 0.27 s apart under load, and answered 504 to requests the loaded sidecar had
+# not answered within that (the page then resumed or failed those chats).
 KEEPALIVE_S = 0.125
 NGINX_READ_TIMEOUT_S = 1.0
 PAUSE = "[data-stream-paused]"
+NOTE = "[data-stream-paused-note]"
+DURATION = r"(\d+ ms|\d+\.\d s|\d+ min \d+ s)"
+NOTE_TEXT = re.compile(rf"Paused {DURATION}, waiting for memory\.|"
+                       rf"Paused \d+ times, waiting for memory \({DURATION} in all\)\.")
 INPUT = "Type a message..."  # the chat form's placeholder
 
 # Added to every page before the UI's own scripts run: records the pause notice as the DOM
@@ -125,7 +135,8 @@ READ_STORED_REPLIES = """
     const q = open.result.transaction('messages').objectStore('messages').getAll();
     q.onerror = () => reject(q.error);
     q.onsuccess = () => resolve(q.result.filter((m) => m.role === 'assistant')
-      .map((m) => ({ convId: m.convId, content: m.content })));
+      .map((m) => ({ convId: m.convId, content: m.content,
+                     pauses: (m.timings && m.timings.paused) ? m.timings.paused.count : 0 })));
   };
 })
 """
@@ -196,6 +207,22 @@ def reference_text(ref: LlamaServer, request_body: str) -> str:
     return content
 
 
+def pauses_in(stream_text: str) -> int:
+    """The pauses of a stream by the chat service's rule: a park, its keepalive or a wait in
+    the queue starts one, a resume or the next data ends it."""
+    count, paused = 0, False
+    for line in stream_text.splitlines():
+        if line.startswith(":"):
+            name = (line[1:].split() or [""])[0].lower()
+            if name in ("preempted", "preempt-keepalive", "queued") and not paused:
+                count, paused = count + 1, True
+            elif name in ("resumed", "recomputed"):
+                paused = False
+        elif line.startswith("data:"):
+            paused = False
+    return count
+
+
 @dataclass(eq=False)
 class Chat:
     """One tab: its page, and what it recorded."""
@@ -225,13 +252,32 @@ class Chat:
         assert len(parks) == 1, self.stream()["text"][-2000:]
         return parks[0]
 
-    def stored_reply(self) -> str:
+    def stored(self) -> dict[str, Any]:
         m = re.search(r"/chat/([^/?#]+)", self.page.url)
         assert m, self.page.url
         replies = [r for r in self.page.evaluate(READ_STORED_REPLIES) if r["convId"] == m.group(1)]
         assert len(replies) == 1, replies
-        content: str = replies[0]["content"]
+        reply: dict[str, Any] = replies[0]
+        return reply
+
+    def stored_reply(self) -> str:
+        content: str = self.stored()["content"]
         return content
+
+    def note(self, want: int) -> int:
+        """The pauses the reply's note counts (0: no note), once it says `want` or after 10 s:
+        the page stores a finished reply, then shows it with its timings."""
+        def read() -> int:
+            notes = self.page.locator(NOTE)
+            if notes.count() == 0:
+                return 0
+            assert notes.count() == 1
+            assert NOTE_TEXT.fullmatch(notes.inner_text().strip()), notes.inner_text()
+            return int(notes.get_attribute("data-pauses") or "0")
+        deadline = time.monotonic() + 10
+        while read() != want and time.monotonic() < deadline:
+            self.page.wait_for_timeout(100)
+        return read()
 
 
 def open_chat(context: Any, url: str) -> Chat:
@@ -292,8 +338,7 @@ def drive(chats: list[Chat], artifacts: Path, name: str, timeout: float = 240.0)
         chat.page.locator(PAUSE).wait_for(state="detached", timeout=30_000)
         chat.page.wait_for_function("() => !document.querySelector('[data-stream-paused]')")
         chat.page.locator(".chat-message-assistant").last.wait_for(timeout=30_000)
-    for chat in chats:
-        chat.page.wait_for_timeout(300)
+    chats[-1].page.wait_for_timeout(300)  # the picture after the last fade
     chats[-1].page.screenshot(path=str(artifacts / f"{name}-done.png"))
 
 
@@ -324,26 +369,6 @@ def metric(up: UpProcess, name: str) -> float:
 
 def four_chats(browser: Any, url: str, up: UpProcess, ref: LlamaServer, artifacts: Path,
                name: str) -> None:
-    """The four-chat drive, every assertion in one attempt; up to three attempts.
-
-    Open on an idle machine, where parks are shorter than under load: a park of a few
-    milliseconds can end before the page renders its pause (the server counted a park the page
-    never showed), and the longest park can fall short of nginx's read timeout (the
-    precondition of the nginx case). Each attempt must pass every assertion by itself; the
-    attempts that failed are printed.
-    """
-    for attempt in range(1, 4):
-        try:
-            four_chats_once(browser, url, up, ref, artifacts, name)
-            return
-        except AssertionError as exc:
-            print(f"four chats ({name}), attempt {attempt} failed: {str(exc)[:500]}")
-            if attempt == 3:
-                raise
-
-
-def four_chats_once(browser: Any, url: str, up: UpProcess, ref: LlamaServer, artifacts: Path,
-                    name: str) -> None:
     context = browser.new_context(viewport={"width": 1000, "height": 760})
     context.add_init_script(RECORDER)
     try:
@@ -356,13 +381,22 @@ def four_chats_once(browser: Any, url: str, up: UpProcess, ref: LlamaServer, art
         for chat in chats:
             no_error_shown(chat)
             assert chat.stored_reply() == reference_text(ref, chat.stream()["body"])
-        shown = [chat.record()["shown"] for chat in chats]
         # A request that waited for room before it started (`: queued`, where the server sends
         # it) is paused for its client as much as a parked one.
         queued = [": queued" in chat.stream()["text"] for chat in chats]
-        # Every parked (or queued) chat showed the pause, no other did.
+        pauses = [pauses_in(chat.stream()["text"]) for chat in chats]
         paused = [p > 0 or q for p, q in zip(parks, queued, strict=True)]
-        assert paused == [s > 0 for s in shown], (parks, queued, shown)
+        assert paused == [n > 0 for n in pauses], (parks, queued, pauses)
+        # Every parked (or queued) chat keeps a note that counts its pauses, however short, in
+        # the page and with the stored reply; no other chat has one.
+        assert [chat.note(n) for chat, n in zip(chats, pauses, strict=True)] == pauses
+        assert [chat.stored()["pauses"] for chat in chats] == pauses
+        # The live notice showed on paused chats only (a park of a few milliseconds can be over
+        # before the page draws it).
+        shown = [chat.record()["shown"] for chat in chats]
+        print(f"four chats ({name}): parks {parks}, queued {queued}, pauses {pauses}, "
+              f"notice shown {shown}")  # fmt: skip
+        assert all(s <= n for s, n in zip(shown, pauses, strict=True)), (shown, pauses)
         assert sum(p > 0 for p in parks) >= 1, "the pool never overflowed: nothing was parked"
         assert metric(up, "n_preempt_total") - parks_before == sum(parks)
         for chat in chats:
@@ -377,14 +411,14 @@ def four_chats_once(browser: Any, url: str, up: UpProcess, ref: LlamaServer, art
 
 
 # A forced park (LLAMA_SERVER_PREEMPT_EVERY) is restored in the same step of the server: its
-# `: preempted` and `: resumed` reach the page in one read, a pause of 0 ms that nobody could
-# see and the page does not show. So the one chat also meets pressure: a larger request (a long
-# prompt, through the API) holds most of a pool that cannot take both, and the page's chat,
-# the smaller one, waits parked until it is done.
+# `: preempted` and `: resumed` reach the page in one read, a pause of 0 ms that the live
+# notice never shows (the reply's note counts it). So the one chat also meets pressure: a
+# larger request (a long prompt, through the API) holds most of a pool that cannot take both,
+# and the page's chat, the smaller one, waits parked until it is done.
 EVERY = 10
 # About 485 tokens (the generated model's vocabulary is mostly single characters): with its
-# 40 it holds more than the page's chat (about 230 + 40) at every step, so the page's chat is
-# the one parked; both prompts fit in 768 cells (about 715), both replies do not (about 795).
+# 64 it holds more than the page's chat (about 230 + 64) at every step, so the page's chat is
+# the one parked; both prompts fit in 768 cells (about 715), both replies do not (about 845).
 HOG_PROMPT = "The keeper of the lighthouse wrote down every ship that passed. " * 8
 
 
@@ -431,6 +465,11 @@ def test_one_chat_with_forced_parks_shows_the_pause_and_keeps_the_text(
         assert rec["shown"] <= parks
         assert not rec["now"]  # and gone after
         assert chat.page.locator(PAUSE).count() == 0
+        # and the reply keeps the note: every pause counted, the forced ones of 0 ms included
+        pauses = pauses_in(chat.stream()["text"])
+        assert pauses >= parks
+        assert chat.note(pauses) == pauses
+        assert chat.stored()["pauses"] == pauses
         assert chat.stored_reply() == reference_text(reference_server, chat.stream()["body"])
     finally:
         context.close()
@@ -467,6 +506,7 @@ def test_four_chats_through_nginx_with_a_read_timeout_shorter_than_the_parks(
         four_chats(browser, nginx.url, pressure, reference_server, artifacts, "nginx")
         parks = [float(x) for x in re.findall(r"resumed after ([0-9.]+) s",
                                                pressure.server_log.read_text(errors="replace"))]
+        print(f"parks (s): {parks}")
         assert max(parks) > NGINX_READ_TIMEOUT_S, parks  # a park outlasted nginx's timeout
     finally:
         nginx.stop()
@@ -496,7 +536,7 @@ def test_api_key_through_the_pages_own_key_prompt(browser: Any, keyed: UpProcess
         key_box = page.locator("#api-key-input")
         key_box.fill("not-the-key")
         page.get_by_role("button", name="Save & Retry").click()
-        page.wait_for_timeout(1500)
+        page.get_by_text("Invalid API key").wait_for(timeout=30_000)
         assert page.get_by_placeholder(INPUT).count() == 0  # a wrong key gets no chat
         page.screenshot(path=str(artifacts / "api-key-prompt.png"))
         if key_box.count() == 0:
