@@ -187,7 +187,10 @@ async def test_thousand_concurrent_streams(fake: FakeUpstream) -> None:
     fake.route("/v1/chat/completions", [sse_head(), ("send", chunk(0)), ("sleep", 0.5),
                ("send", b": preempted\n\n"), ("sleep", 0.5), ("send", b": resumed\n\n"),
                ("send", chunk(1)), ("end",)])  # fmt: skip
-    config = ephemeral_config(fake.url, upstream_max_idle=64)
+    # A client of this process may connect long before its loop gets to send the request when
+    # the machine is busy; the sidecar would close it quietly after header_timeout (not the
+    # subject here).
+    config = ephemeral_config(fake.url, upstream_max_idle=64, header_timeout=120.0)
     proc = await anyio.to_thread.run_sync(start_subprocess, config)
     pid = proc.pid
     try:
