@@ -36,7 +36,10 @@ dir=${1:?usage: check-series.sh [--from N] [--to N] [--fuzz-seeds N] [--build-on
 [ -e "$dir" ] || "$here/edit-tree.sh" "$dir" || exit 1
 dir=$(cd "$dir" && pwd)
 git -C "$dir" rev-parse -q --verify pristine >/dev/null || { echo "check-series: $dir has no 'pristine' tag" >&2; exit 1; }
-tip=$(git -C "$dir" rev-parse HEAD)
+# the series is the branch DIR has checked out (a run stopped half way leaves HEAD detached at a
+# prefix: then the branch edit-tree.sh made)
+branch=$(git -C "$dir" symbolic-ref -q --short HEAD || echo master)
+tip=$(git -C "$dir" rev-parse "$branch")
 mapfile -t commits < <(git -C "$dir" rev-list --reverse "pristine..$tip")
 out="$dir.check"
 mkdir -p "$out"
@@ -115,5 +118,5 @@ for i in "${!commits[@]}"; do
     say "$line"
     prev=$c
 done
-git -C "$dir" checkout -q --detach "$tip"
+git -C "$dir" checkout -q "$branch"
 exit $status
