@@ -49,7 +49,7 @@ while [ $# -gt 0 ]; do
         --native) native=1 ;;
         --cuda) cuda=1 ;;
         --no-ui) no_ui=1 ;;
-        --src) [ $# -ge 2 ] || die "--src needs a directory"; src=$(cd "$2" && pwd) || die "no such directory: $2"; shift ;;
+        --src) [ $# -ge 2 ] || die "--src needs a directory"; src=$(cd "$2" && pwd -P) || die "no such directory: $2"; shift ;;
         --jobs) [ $# -ge 2 ] || die "--jobs needs a number"; jobs=$2; shift ;;
         --print-path) print_only=1 ;;
         --quiet) quiet=1 ;;

@@ -159,3 +159,19 @@ def test_a_patch_dropped_from_the_series_is_dropped_from_the_binary(tmp_path: Pa
     rebuilt = build(co, cache, src)
     assert rebuilt.returncode == 0, rebuilt.stderr
     assert subprocess.run([rebuilt.stdout.strip()]).returncode == 3
+
+
+def test_a_src_given_through_a_link_is_copied_and_left_as_it_is(tmp_path: Path) -> None:
+    """`--src LINK`: the tree the link points to is copied and patched, never changed. (Taken as
+    a logical path, the link itself was copied: the copy's `.git` was removed, and the series
+    applied, through it, in the edit tree it pointed to.)"""
+    src = standin_tree(tmp_path)
+    (src / ".git").mkdir()
+    (src / ".git/HEAD").write_text("ref: refs/heads/main\n")
+    link = tmp_path / "edit-tree"
+    link.symlink_to(src, target_is_directory=True)
+    proc = build(checkout(tmp_path), tmp_path / "cache", link)
+    assert proc.returncode == 0, proc.stderr
+    assert subprocess.run([proc.stdout.strip()]).returncode == 3 - 6 + 256  # patched
+    assert (src / ".git/HEAD").read_text() == "ref: refs/heads/main\n"
+    assert (src / "tools/server/server-context.cpp.c").read_text() == SERVER
