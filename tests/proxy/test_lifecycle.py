@@ -180,7 +180,9 @@ async def test_thousand_concurrent_streams(fake: FakeUpstream) -> None:
 
     Descriptors and memory are read from /proc for the sidecar alone.  Baseline:
     after a first round of 1,000 (so the allocator has grown its arenas once);
-    a second round must come back to it.  Pooled upstream connections are
+    a second round must come back to it.  A second round that ran busier than the
+    first (beside other work) can grow the arenas once more: then a third must come
+    back to the second (a leak grows every round).  Pooled upstream connections are
     bounded by ``upstream_max_idle`` (64).
     """
     n = 1000
@@ -202,16 +204,22 @@ async def test_thousand_concurrent_streams(fake: FakeUpstream) -> None:
         # takes a moment, so wait for the count to come down (a leak never does)
         fds0 = await _fds_settled(pid, fd_bound)
         rss0 = _rss(pid)
-        results = await _many_streams(proc.url, n)
-        assert all(r.startswith(b"HTTP/1.1 200") and b"tok1" in r for r in results)
-        fds1 = await _fds_settled(pid, fds0)
-        rss1 = _rss(pid)
+        rounds, rss_before = 1, rss0
+        for _ in range(2):
+            results = await _many_streams(proc.url, n)
+            rounds += 1
+            assert all(r.startswith(b"HTTP/1.1 200") and b"tok1" in r for r in results)
+            fds1 = await _fds_settled(pid, fds0)
+            rss1 = _rss(pid)
+            if rss1 <= rss_before + 4 * 1024 * 1024:
+                break
+            rss_before = rss1
         async with httpx.AsyncClient() as c:
             metrics = (await c.get(proc.metrics_url or "")).text
     finally:
         await anyio.to_thread.run_sync(proc.terminate)
     assert fds0 <= fd_bound
     assert fds1 <= fds0
-    assert rss1 <= rss0 + 4 * 1024 * 1024, (rss0, rss1)
-    assert f"llama_sidecar_parks_total {2 * n}.0" in metrics
+    assert rss1 <= rss_before + 4 * 1024 * 1024, (rss0, rss_before, rss1)
+    assert f"llama_sidecar_parks_total {rounds * n}.0" in metrics
     assert "llama_sidecar_streams_active 0.0" in metrics
