@@ -60,17 +60,6 @@ def streamed(url: str, b: dict[str, Any]) -> Response:
     return post(url, "/completion", b, None)
 
 
-def in_background(fn: Any) -> tuple[threading.Thread, dict[str, Any]]:
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        out["res"] = fn()
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, out
-
-
 def generating(url: str, n_decoded: int, n_slots: int = 1) -> bool:
     busy = [s for s in slots(url) if s["is_processing"] and not s.get("is_preempted")]
     return sum(1 for s in busy if s["next_token"][0]["n_decoded"] >= n_decoded) >= n_slots
@@ -258,11 +247,10 @@ def test_two_families_that_overflow_together_both_finish(start_server: StartServ
     srv = start_server(args=[*BASE, *PARK, "-c", "512", "-np", "4"])
     bodies = [body(token_prompt(8, 60 + i), 200, n_cmpl=2) for i in range(2)]
     solo = [parse_stream(streamed(srv.url, b))[2] for b in bodies]
-    runs = [in_background(lambda b=b: streamed(srv.url, b)) for b in bodies]
+    runs = [Background(lambda b=b: streamed(srv.url, b)) for b in bodies]
     parks = 0
-    for (thread, out), alone in zip(runs, solo, strict=True):
-        thread.join(300)
-        res: Response = out["res"]
+    for run, alone in zip(runs, solo, strict=True):
+        res: Response = run.result(300)
         finals = assert_complete(res, 2, [8], 200, multi_prompt=False, family=True)
         assert parse_stream(res)[2] == alone
         parks += sum(f["preempt"]["parks"] for f in finals.values())
@@ -367,12 +355,12 @@ def test_family_cells_are_counted_once(start_server: StartServer, slow_model: Pa
     the 512-cell pool (about 420 cells), so nothing may be parked. Counting the prompt once per
     member (460 cells for the family alone at the end) parked R, the smaller slot."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "512", "-np", "3"])
-    tr, r = in_background(lambda: streamed(srv.url, body(token_prompt(8, 11), 150)))
+    r = Background(lambda: streamed(srv.url, body(token_prompt(8, 11), 150)))
     wait_for(lambda: generating(srv.url, 20), what="R generating")
     f = streamed(srv.url, body(token_prompt(150, 10), 80, n_cmpl=2))
-    tr.join(300)
+    r_res = r.result(300)
     assert_complete(f, 2, [150], 80, multi_prompt=False, family=True)
-    finals = assert_complete(r["res"], 1, [8], 150, multi_prompt=False)
+    finals = assert_complete(r_res, 1, [8], 150, multi_prompt=False)
     assert finals[0]["preempt"]["parks"] == 0
     m = wait_settled(srv.url)
     assert m["n_preempt_total"] == 0, m
