@@ -51,6 +51,7 @@ from tests.server.preempt_helpers import (
     wait_settled,
 )
 from tests.server.test_preempt_defects import (
+    Background,
     assert_complete,
     body,
     grown_alone,
@@ -77,28 +78,17 @@ def bounded(srv: LlamaServer, fn: Callable[[], T], *, limit: float = 180.0,
     """fn() on a thread; fail when the server's log holds `loop_marker` more than `loop_max`
     times (the server spins: on the series before the fixes, thousands of such lines a second)
     or when `limit` seconds pass without an answer."""
-    out: dict[str, Any] = {}
-
-    def run() -> None:
-        try:
-            out["res"] = fn()
-        except BaseException as e:  # surfaced below
-            out["err"] = e
-
-    t = threading.Thread(target=run, daemon=True)
     t0 = time.monotonic()
-    t.start()
-    while t.is_alive():
-        t.join(0.5)
+    run = Background(fn)
+    while run.thread.is_alive():
+        run.thread.join(0.5)
         n = count_lines(srv.log_text(), loop_marker)
         if n > loop_max:
             pytest.fail(f"the server spins: {n} lines with {loop_marker!r} after "
                         f"{time.monotonic() - t0:.1f} s and no answer yet")
         if time.monotonic() - t0 > limit:
             pytest.fail(f"no answer after {limit:.0f} s; log tail:\n{srv.log_tail(20)}")
-    if "err" in out:
-        raise out["err"]
-    return out["res"]  # type: ignore[no-any-return]
+    return run.result(0)
 
 
 def slot_lines(log: str, marker: str) -> list[tuple[int, int]]:
