@@ -17,13 +17,10 @@ from tests.server.preempt_helpers import (
     BASE,
     PARK,
     PARK_LINE,
-    Completion,
     complete,
-    n_decoded_max,
+    complete_many,
     robust_prompts,
-    run_concurrently,
     token_prompt,
-    wait_for,
 )
 from tests.server.test_preempt_kv import assert_same, assert_settled, solo_then_together
 
@@ -81,7 +78,7 @@ def test_overflowing_generations_with_a_draft_model(start_server: StartServer,
 
 
 def test_a_last_resort_in_a_shift_s_iteration_neither_saves_nor_recomputes(
-    start_server: StartServer, slow_model: Path,
+    start_server: StartServer, tiny_model: Path,
 ) -> None:
     """A context shift reaches the draft context only when it mirrors a batch the target
     decoded, so after a refused decode (the last resort's case) the draft's shift is still
@@ -91,26 +88,21 @@ def test_a_last_resort_in_a_shift_s_iteration_neither_saves_nor_recomputes(
     saved nor recomputed, so the last resort rebuilds the batch once for that shift before it
     parks anything, and the decode that succeeds applies the shift to the draft. The window
     cannot be timed from outside, so LLAMA_SERVER_PREEMPT_FAIL_SHIFT refuses the decode that
-    applies each shift. A (priority 0) shifts once at the per-slot limit of 128 while B
-    (priority 1, 123 tokens, never shifts) runs: A is in the window when the last resort runs.
-    The slow model, drafting for itself: B joins when /slots shows A 70 tokens in, and the tiny
-    model would finish A before a poll sees it."""
+    applies each shift. A (40 prompt tokens) and B (8) are two prompts of one request, so they
+    start in the same iteration however fast the model is, and each generates 115 tokens: A
+    shifts once at the per-slot limit of 128 while B (123 cells at its end) runs and never
+    shifts. B then holds more cells than A's halved sequence and leads: A, in the window, is the
+    one the last resort would park."""
     per_slot = ["--kv-unified-per-slot", "128", "--context-shift"]
-    args = [*BASE, *PARK, "-c", "512", "-np", "2", *per_slot, *draft_args(slow_model)]
-    srv = start_server(model=slow_model, args=args, env={"LLAMA_SERVER_PREEMPT_FAIL_SHIFT": "1"})
-    prompt_a, prompt_b = token_prompt(8, 31), token_prompt(8, 32)
-
-    def b_after_a_started() -> Completion:
-        # B joins when A is 70 tokens in: when A shifts at 119, B is still far from its end
-        wait_for(lambda: n_decoded_max(srv.url) >= 70, timeout=60.0)
-        return complete(srv.url, prompt_b, 115, priority=1)
-
-    a, b = run_concurrently([lambda: complete(srv.url, prompt_a, 150), b_after_a_started])
+    args = [*BASE, *PARK, "-c", "512", "-np", "2", *per_slot, *draft_args(tiny_model)]
+    srv = start_server(args=args, env={"LLAMA_SERVER_PREEMPT_FAIL_SHIFT": "1"})
+    n = 115
+    a, b = complete_many(srv.url, [token_prompt(40, 31), token_prompt(8, 32)], n)
 
     assert a.ok, a.error
     assert b.ok, b.error
-    assert a.n_predicted == 150
-    assert b.n_predicted == 115
+    assert a.n_predicted == n
+    assert b.n_predicted == n
     assert drafted(a) > 0, "speculative decoding was not active"
     log = srv.log_text()
     assert "the decode that applied a context shift is refused" in log, "no shift was refused"
