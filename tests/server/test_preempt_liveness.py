@@ -38,13 +38,11 @@ from tests.server.preempt_helpers import (
     PARK,
     PARK_LINE,
     ROTATE_NOW,
-    Completion,
     complete,
     complete_many,
     completion_body,
     count_lines,
     metrics,
-    run_concurrently,
     slots,
     token_prompt,
     wait_for,
@@ -185,22 +183,20 @@ def test_a_text_request_beside_image_slots_that_cannot_be_parked_completes(
     the image slots cannot be parked (swap only, no block), the text slot can (by recompute).
     With only the image slots' parks failing, the last resort found no victim and the stock
     error failed every slot of the batch, the text request too (it fits alone). The text slot is
-    parked instead, whether it leads or not; it completes, and the image requests complete or
-    get the context error (they cannot be parked, and may not fit together)."""
+    parked instead, though it leads, and everything completes. The three are prompts of one
+    request, so they start in the same iteration however fast the model is: the images (37 + 60
+    cells each) and the text (120 + 60) outgrow the 256-cell pool together about 18 tokens in,
+    and the images fit together once the text slot is parked (an error of one prompt would end
+    the response, the text's answer with it)."""
     text, mmproj = llava_pair()
     srv = start_server(model=text, args=[*BASE, *PARK, "--mmproj", str(mmproj), "-c", "256",
                                          "-np", "3"], env=FAIL_POOL)
-    # three requests, not one with three prompts: an error of one prompt ends a multi-prompt
-    # response, and the text request's own answer is what this test is about
-    prompts: list[Any] = [picture(srv.url, 10), picture(srv.url, 11), token_prompt(40, 12)]
-    def one(prompt: Any) -> Callable[[], Completion]:
-        return lambda: complete(srv.url, prompt, 160, timeout=600)
-
-    together = bounded(srv, lambda: run_concurrently([one(p) for p in prompts]),
+    prompts: list[Any] = [picture(srv.url, 10), picture(srv.url, 11), token_prompt(120, 12)]
+    together = bounded(srv, lambda: complete_many(srv.url, prompts, 60, timeout=600),
                        loop_marker=NOTHING_PARKED_LINE, loop_max=20)
     *pictures, words = together
     assert words.ok, words.error
-    assert words.n_predicted == 160
+    assert words.n_predicted == 60
     for got in pictures:
         assert got.ok or got.error_message == CONTEXT_ERROR, got.error
     assert words.preempt["parks"] >= 1, words.preempt
