@@ -400,11 +400,20 @@ def top2_gaps(probs: list[dict[str, Any]]) -> list[float]:
     return [p["top_logprobs"][0]["logprob"] - p["top_logprobs"][1]["logprob"] for p in probs]
 
 
-def _greedy_gaps(url: str, prompt: Any, n_predict: int) -> tuple[list[int], list[float]]:
-    """`prompt`'s greedy continuation on `url` and its top2_gaps()."""
+def _greedy_gaps(url: str, prompt: Any, n_predict: int) -> tuple[Completion, list[float]]:
+    """`prompt`'s greedy continuation on `url` (a non-streamed Completion) and its top2_gaps()."""
     body = completion_body(prompt, n_predict, stream=False, n_probs=2)
-    data = httpx.post(f"{url}/completion", json=body, timeout=120).json()
-    return list(data.get("tokens", [])), top2_gaps(data["completion_probabilities"])
+    out = Completion(t_start=time.monotonic())
+    r = httpx.post(f"{url}/completion", json=body, timeout=120)
+    out.t_end = time.monotonic() - out.t_start
+    out.status = r.status_code
+    data = r.json()
+    assert r.status_code == 200, data
+    assert "error" not in data, data
+    out.final = data
+    out.content = data.get("content", "")
+    out.tokens = list(data.get("tokens", []))
+    return out, top2_gaps(data["completion_probabilities"])
 
 
 def tie_free(url: str, prompt: Any, n_predict: int, min_gap: float) -> bool:
@@ -441,12 +450,22 @@ def robust_solo_runs(
     """robust_prompts() with each prompt's solo tokens on `url`: those of the request that checked
     the prompt for ties (asking for token probabilities changes no token), so that a test needs no
     second solo run; a solo run each when the prompts were picked before."""
+    runs = robust_solo_completions(url, count, length, n_predict, first_seed=first_seed,
+                                   min_gap=min_gap)
+    return [(p, c.tokens) for p, c in runs]
+
+
+def robust_solo_completions(
+    url: str, count: int, length: int, n_predict: int, *, first_seed: int = 0, min_gap: float = 0.02
+) -> list[tuple[list[int], Completion]]:
+    """robust_solo_runs() with each solo run's whole Completion (not streamed when it is the
+    request that checked the prompt), for a test that compares more than the tokens."""
     key = (count, length, n_predict, first_seed)
     if key in _ROBUST:
         runs = [(p, complete(url, p, n_predict)) for p in _ROBUST[key]]
         assert all(c.ok for _, c in runs), [c.error for _, c in runs]
-        return [(p, c.tokens) for p, c in runs]
-    out: list[tuple[list[int], list[int]]] = []
+        return runs
+    out: list[tuple[list[int], Completion]] = []
     seed = first_seed
     while len(out) < count:
         assert seed < first_seed + 300, (
@@ -454,9 +473,9 @@ def robust_solo_runs(
         )
         prompt = token_prompt(length, seed)
         seed += 1
-        tokens, gaps = _greedy_gaps(url, prompt, n_predict)
+        solo, gaps = _greedy_gaps(url, prompt, n_predict)
         if len(gaps) == n_predict and min(gaps) >= min_gap:
-            out.append((prompt, tokens))
+            out.append((prompt, solo))
     _ROBUST[key] = [p for p, _ in out]
     return out
 
