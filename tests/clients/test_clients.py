@@ -1,13 +1,16 @@
 """The SSE clients people use, through a real park: client -> nginx (docs/nginx.conf, its
 read timeout shorter than the park) -> sidecar -> patched llama-server.
 
-Each test runs one client on two concurrent chat streams that cannot both fit the KV pool,
-so one of the client's own streams is parked for seconds while the other runs on. Every
-stream must end normally with the full text (the same text as a solo, unstreamed request:
-the generated model decodes greedily the same way in any batch), no error, and none of the
-sidecar's or llama-server's comment lines (`: keepalive`, `: preempted`, ...) in the text.
-The Node clients (the openai SDK, eventsource-parser) are pinned in package-lock.json here
-and installed with `npm ci`; their tests skip only when node or npm is not installed.
+Each test runs one client on two concurrent chat streams beside an endless resident
+(tests/support/resident.py): a stream straight to llama-server that outranks them and never
+ends, so one of the client's own streams is parked for as long as the test lets the resident
+run, on a model of any speed; it is cut once the park has outlasted nginx's read timeout.
+Every stream must end normally with the full text (the same text as a solo, unstreamed
+request: the generated model decodes greedily the same way in any batch), no error, and none
+of the sidecar's or llama-server's comment lines (`: keepalive`, `: preempted`, ...) in the
+text. The Node clients (the openai SDK,
+eventsource-parser) are pinned in package-lock.json here and installed with `npm ci`; their
+tests skip only when node or npm is not installed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import shutil
 import subprocess
 import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,7 @@ import pytest
 
 from sidecar.ops.supervise import server_supports
 from tests.support.nginx import NGINX, Nginx, start_nginx
+from tests.support.resident import endless_resident
 from tests.support.up import UpProcess
 
 pytestmark = [
@@ -38,20 +43,27 @@ pytestmark = [
 
 HERE = Path(__file__).resolve().parent
 NODE, NPM = shutil.which("node"), shutil.which("npm")
-# Two chats of 300 tokens after a prompt of 165 (ChatML-wrapped) in a 512-cell pool: they
-# collide after ~90 tokens each, and one waits parked while the other makes its last ~210
-# alone. The long prompt makes the park long without long generations, which drift from the
-# solo reply by batch-shape float noise (see docs/benchmarks.md); nginx's timeout follows the
-# machine's speed (park_timeout()).
-POOL_CELLS = 512
-POOL = ("--parallel", "2", "--ctx-size", str(POOL_CELLS), "--preempt-ram", "8192")
-TOKENS = 300
+# A 256-cell pool and three slots: one per stream of the pair and one for the resident. A chat
+# is 165 prompt tokens (ChatML-wrapped), so the second waits for the first (parked with 0
+# cells); the resident's 64 fit beside one chat, and with both generating the chat is parked
+# ~10 tokens into its reply, holding ~175 cells. It cannot come back beside the resident, which
+# only grows (a context shift leaves it 129 of the 256), until the test cuts the resident.
+# Short replies stay on the solo reply's text (long ones drift by batch-shape float noise, see
+# docs/benchmarks.md).
+POOL_CELLS = 256
+POOL = ("--parallel", "3", "--ctx-size", str(POOL_CELLS), "--preempt-ram", "8192")
+TOKENS = 20
 PROMPT = (
     "Once upon a time, in a lighthouse at the edge of a cold grey sea, there lived a keeper "
     "who wrote down every ship that passed. Tell me the rest."
 )
 STREAMS = 2
 COMMENT_WORDS = ("keepalive", "preempt", "resumed", "recomputed")
+# nginx's proxy_read_timeout, s: the sidecar's keepalives come eight times per timeout, and the
+# resident is cut once a park has lasted half as long again.
+READ_TIMEOUT_S = 1.0
+KEEPALIVE_S = 0.125
+HOLD_S = 1.5 * READ_TIMEOUT_S
 
 
 @dataclass
@@ -59,7 +71,11 @@ class Stack:
     up: UpProcess
     nginx: Nginx
     reference: str  # the text of a solo, unstreamed request straight to llama-server
-    read_timeout: float  # nginx's proxy_read_timeout, s (park_timeout())
+    read_timeout: float  # nginx's proxy_read_timeout, s
+
+    def resident(self) -> AbstractContextManager[None]:
+        """The endless resident, cut once a park has lasted HOLD_S."""
+        return endless_resident(self.up.server_url, self.up.server_log, HOLD_S)
 
     def parks(self) -> list[float]:
         """Park lengths so far, from llama-server's log (`resumed after X s`)."""
@@ -76,26 +92,6 @@ def chat_body(stream: bool) -> dict[str, Any]:
     return body
 
 
-# The sidecar's keepalive comments come four times per shortest read timeout (park_timeout()).
-KEEPALIVE_S = 0.125
-
-
-def park_timeout(reply: dict[str, Any]) -> float:
-    """nginx's read timeout in seconds for this machine, from the solo reference reply.
-
-    The parked chat waits while the other makes prompt + TOKENS - POOL_CELLS/2 tokens alone.
-    From the reply's prompt length and speed the timeout is a third of that wait, between 0.5 s
-    (above the time to the first token) and 1 s, so the park outlasts it clearly. (A fixed 1 s
-    timeout and a short prompt let parks of 0.86 s through on a faster machine, and the test
-    failed.)
-    """
-    speed = float(reply["timings"]["predicted_per_second"])
-    prompt = int(reply["usage"]["prompt_tokens"])
-    assert prompt + TOKENS <= POOL_CELLS, f"a chat of {prompt} + {TOKENS} tokens cannot fit alone"
-    wait_s = (prompt + TOKENS - POOL_CELLS // 2) / speed
-    return round(min(1.0, max(4 * KEEPALIVE_S, wait_s / 3)), 3)
-
-
 @pytest.fixture(scope="module")
 def stack(
     tmp_path_factory: pytest.TempPathFactory, llama_server_bin: Path, slow_model: Path
@@ -106,7 +102,8 @@ def stack(
     env = {"LLAMA_SIDECAR_PARK_KEEPALIVE": f"{KEEPALIVE_S:g}",
            "LLAMA_SIDECAR_IDLE_KEEPALIVE": f"{KEEPALIVE_S:g}"}  # fmt: skip
     up = UpProcess(["--server-bin", str(llama_server_bin), "--model", str(slow_model), *POOL,
-                    "--ping-interval", "-1", "--", "-t", "1"], tmp / "up", env=env)  # fmt: skip
+                    "--ping-interval", "-1", "--", "-t", "1", "--context-shift"], tmp / "up",
+                   env=env)  # fmt: skip
     up.log_dir.mkdir(parents=True)
     up.start(timeout=240)
     nginx: Nginx | None = None
@@ -115,9 +112,8 @@ def stack(
         assert r.status_code == 200, r.text
         reference = r.json()["choices"][0]["message"]["content"]
         assert reference
-        read_timeout = park_timeout(r.json())
-        nginx = start_nginx(tmp / "nginx", up.port, read_timeout=f"{round(read_timeout * 1e3)}ms")
-        yield Stack(up, nginx, reference, read_timeout)
+        nginx = start_nginx(tmp / "nginx", up.port, read_timeout=f"{READ_TIMEOUT_S:g}s")
+        yield Stack(up, nginx, reference, READ_TIMEOUT_S)
     finally:
         if nginx is not None:
             nginx.stop()
@@ -201,7 +197,9 @@ def test_openai_python_sdk(stack: Stack) -> None:
         return res
 
     before = len(stack.parks())
-    check(stack, run_pair(one, stack.nginx.url), before)
+    with stack.resident():
+        results = run_pair(one, stack.nginx.url)
+    check(stack, results, before)
 
 
 def test_httpx_sse(stack: Stack) -> None:
@@ -220,7 +218,9 @@ def test_httpx_sse(stack: Stack) -> None:
         return res
 
     before = len(stack.parks())
-    check(stack, run_pair(one, stack.nginx.url), before)
+    with stack.resident():
+        results = run_pair(one, stack.nginx.url)
+    check(stack, results, before)
 
 
 def test_sseclient_py(stack: Stack) -> None:
@@ -238,7 +238,9 @@ def test_sseclient_py(stack: Stack) -> None:
         return res
 
     before = len(stack.parks())
-    check(stack, run_pair(one, stack.nginx.url), before)
+    with stack.resident():
+        results = run_pair(one, stack.nginx.url)
+    check(stack, results, before)
 
 
 # ---- Node clients ----------------------------------------------------------------------------
@@ -269,12 +271,15 @@ def run_node(script: str, url: str) -> list[Result]:
 
 def test_openai_node_sdk(stack: Stack, node_modules: Path) -> None:
     before = len(stack.parks())
-    check(stack, run_node("openai_stream.mjs", stack.nginx.url), before)
+    with stack.resident():
+        results = run_node("openai_stream.mjs", stack.nginx.url)
+    check(stack, results, before)
 
 
 def test_eventsource_parser(stack: Stack, node_modules: Path) -> None:
     before = len(stack.parks())
-    results = run_node("eventsource_parser_stream.mjs", stack.nginx.url)
+    with stack.resident():
+        results = run_node("eventsource_parser_stream.mjs", stack.nginx.url)
     check(stack, results, before)
     assert all(res["done"] for res in results), results
     # The park was announced, and the parser reported the comments apart from the data.

@@ -1,0 +1,87 @@
+"""A park as long as a test wants, on a model of any speed: an endless resident.
+
+A stream straight to the patched llama-server (its server started with `--context-shift`)
+that outranks the test's requests (priority 1: never their victim), has no n_predict and
+ignores EOS, so it never ends by itself; a context shift leaves it half the pool, so a request
+parked holding more than that cannot come back beside it. It is sent as soon as the test's
+first request is on a slot (the requests then meet it at the same size however long their
+client takes to start) and cut once one of them has been parked for `hold_s`; a request that
+waits to prefill is parked with 0 cells and counts too. Both waits read llama-server's log as
+it grows (`processing task`, then the park and resume lines).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+
+# the generated test models' text pieces (ids 259-447): any of them make a prompt
+TEXT_TOKENS = range(259, 448)
+
+PARK_RE = re.compile(r"task (\d+) \| (preempted: |resumed after )")
+
+
+def token_prompt(n: int, start: int = 0) -> list[int]:
+    """n text token ids (a token list gets no BOS), the same for the same arguments."""
+    return [TEXT_TOKENS[(start + i * 37) % len(TEXT_TOKENS)] for i in range(n)]
+
+
+@contextlib.contextmanager
+def endless_resident(
+    server_url: str, server_log: Path, hold_s: float, prompt_tokens: int = 64
+) -> Iterator[None]:
+    """Run the block beside the resident; it is cut once a park has lasted `hold_s`, when the
+    block ends, or after a minute (so that a missing park fails the test's own checks rather
+    than hangs it). An error of the resident's own stream fails the test after the block."""
+    body = {"prompt": token_prompt(prompt_tokens), "n_predict": -1, "ignore_eos": True,
+            "priority": 1, "stream": True}  # fmt: skip
+    stop = threading.Event()
+    errors: list[BaseException] = []
+    log = server_log.open(errors="replace")
+    log.seek(0, 2)
+
+    def run() -> None:
+        deadline = time.monotonic() + 60
+        tail = ""
+        while "processing task" not in tail:
+            if stop.wait(0.005) or time.monotonic() > deadline:
+                return
+            tail += log.read()
+        tail = tail[tail.index("processing task") :]
+        parked: dict[str, float] = {}  # task -> when its park was first seen
+        with httpx.stream("POST", server_url + "/completion", json=body,
+                          timeout=httpx.Timeout(60, connect=10)) as r:  # fmt: skip
+            r.raise_for_status()
+            for _ in r.iter_raw():
+                now = time.monotonic()
+                *lines, tail = (tail + log.read()).split("\n")
+                for task, what in PARK_RE.findall("\n".join(lines)):
+                    if what == "preempted: ":
+                        parked.setdefault(task, now)
+                    else:
+                        parked.pop(task, None)
+                held = now - min(parked.values(), default=now)
+                if stop.is_set() or now > deadline or held >= hold_s:
+                    return
+
+    def guarded() -> None:
+        try:
+            run()
+        except BaseException as e:  # reported after the block
+            errors.append(e)
+
+    th = threading.Thread(target=guarded, daemon=True)
+    th.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        th.join(60)
+        log.close()
+    assert not errors, errors
