@@ -3,9 +3,10 @@
 The pinned tools/ui (from the extracted source build_llama.sh keeps in its cache) gets the
 series' UI patches (those that change tools/ui only) in a temporary copy, which borrows the
 node_modules that build_llama.sh installed from the same lock file. The tests cover the SSE
-notice parser, the chat service's pause reports and the note a paused reply keeps; the pristine
-UI fails them (no parser, no onPause). They run alone, in node, under a config of their own
-(vitest/vitest.config.ts here): the UI's config sets up browser projects they do not use."""
+notice parser, the chat service's pause reports and the note a paused reply keeps, also against
+what a lying or broken upstream sends; the pristine UI fails them (no parser, no onPause). They
+run alone, in node, under a config of their own (vitest/vitest.config.ts here): the UI's config
+sets up browser projects they do not use."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from tests.conftest import REPO
 
 pytestmark = pytest.mark.slow
 
-UI_TESTS = ["tests/unit/stream-notices.test.ts"]
+UI_TESTS = ["tests/unit/stream-notices.test.ts", "tests/unit/stream-notices-hostile.test.ts"]
 CONFIG = Path(__file__).parent / "vitest"
 
 
