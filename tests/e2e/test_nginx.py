@@ -1,7 +1,8 @@
-"""Real nginx with docs/nginx.conf in front of `up` and the real patched llama-server: an
-overflowing pair of streams completes through nginx although nginx's proxy_read_timeout
-is shorter than the park (llama-server's own pings are off, so only the sidecar's
-keepalives can cover it; the park lengths come from llama-server's log).
+"""Real nginx with docs/nginx.conf in front of `up` and the real patched llama-server: a pair
+of streams parked behind an endless resident (tests/support/resident.py) completes through
+nginx although nginx's proxy_read_timeout is shorter than the park (llama-server's own pings
+are off, so only the sidecar's keepalives can cover it; the park lengths come from
+llama-server's log).
 test_nginx_fake.py holds the control (the same park, minus the sidecar, is cut).
 """
 
@@ -15,6 +16,7 @@ import pytest
 
 from tests.e2e.conftest import RunUp
 from tests.support.nginx import NGINX, start_nginx
+from tests.support.resident import endless_resident, token_prompt
 from tests.support.sse_client import StreamLog, stream_sse
 
 pytestmark = [
@@ -24,15 +26,18 @@ pytestmark = [
     pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx)"),
 ]
 
-# The sidecar's keepalives come four times per read timeout.
+# The sidecar's keepalives come four times per read timeout; the resident is cut once a park
+# has lasted half as long again.
 READ_TIMEOUT_S = 0.5
 KEEPALIVE_S = 0.125
-# Two streams of 480 tokens (after a prompt of 14) in a 512-cell pool: they collide at ~250
-# tokens each, and the parked one waits while the other makes ~240 more, 1.3 s (2.6 read
-# timeouts) even where the slow model runs at 180 tokens/s alone (360 tokens in 384 cells gave
-# parks of 0.95 s there).
-POOL = ("--parallel", "2", "--ctx-size", "512", "--preempt-ram", "8192")
-TOKENS = 480
+HOLD_S = 1.5 * READ_TIMEOUT_S
+# Two streams of 165 prompt tokens in a 256-cell pool of three slots: the second waits for the
+# first (parked with 0 cells), the resident's 64 fit beside one of them, and with both
+# generating that stream is parked a few tokens into its reply holding more than the 129 cells
+# a context shift leaves the resident: it stays parked until the resident is cut.
+POOL = ("--parallel", "3", "--ctx-size", "256", "--preempt-ram", "8192")
+PROMPT = token_prompt(165, start=1)
+TOKENS = 20
 
 
 def server_park_lengths(log_text: str) -> list[float]:
@@ -46,21 +51,22 @@ def test_overflowing_pair_completes_through_nginx_with_a_short_read_timeout(
     env = {"LLAMA_SIDECAR_PARK_KEEPALIVE": f"{KEEPALIVE_S:g}",
            "LLAMA_SIDECAR_IDLE_KEEPALIVE": f"{KEEPALIVE_S:g}"}  # fmt: skip
     up = run_preempting_up("--model", str(slow_model), *POOL, "--ping-interval", "-1",
-                           "--", "-t", "1", env=env)  # fmt: skip
+                           "--", "-t", "1", "--context-shift", env=env)  # fmt: skip
     nginx = start_nginx(tmp_path / "nginx", up.port, read_timeout=f"{READ_TIMEOUT_S * 1e3:.0f}ms")
     try:
-        body = {"prompt": "Once upon a time", "n_predict": TOKENS, "ignore_eos": True,
-                "stream": True, "temperature": 0}  # fmt: skip
+        body = {"prompt": PROMPT, "n_predict": TOKENS, "ignore_eos": True, "stream": True,
+                "temperature": 0}  # fmt: skip
         logs: list[StreamLog] = []
 
         def run() -> None:
             logs.append(stream_sse(nginx.url + "/completion", body, timeout=600))
 
         threads = [threading.Thread(target=run) for _ in range(2)]
-        for th in threads:
-            th.start()
-        for th in threads:
-            th.join(600)
+        with endless_resident(up.server_url, up.server_log, HOLD_S):
+            for th in threads:
+                th.start()
+            for th in threads:
+                th.join(600)
     finally:
         nginx.stop()
     assert len(logs) == 2
