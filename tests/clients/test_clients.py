@@ -74,7 +74,12 @@ class Stack:
     read_timeout: float  # nginx's proxy_read_timeout, s
 
     def resident(self) -> AbstractContextManager[None]:
-        """The endless resident, cut once a park has lasted HOLD_S."""
+        """The endless resident, cut once a park has lasted HOLD_S; first the chats' prompt is
+        put in a slot's cache, so the first chat's head comes at its first token (a cold
+        prefill of 165 tokens can outlast nginx's read timeout on a loaded machine)."""
+        body = {**chat_body(False), "max_tokens": 1}
+        r = httpx.post(self.up.server_url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
         return endless_resident(self.up.server_url, self.up.server_log, HOLD_S)
 
     def parks(self) -> list[float]:

@@ -12,6 +12,7 @@ import re
 import threading
 from pathlib import Path
 
+import httpx
 import pytest
 
 from tests.e2e.conftest import RunUp
@@ -61,6 +62,11 @@ def test_overflowing_pair_completes_through_nginx_with_a_short_read_timeout(
         def run() -> None:
             logs.append(stream_sse(nginx.url + "/completion", body, timeout=600))
 
+        # the prompt in a slot's cache, so the first stream's head comes at its first token (a
+        # cold prefill of 165 tokens can outlast the read timeout on a loaded machine)
+        warm = {**body, "n_predict": 1, "stream": False}
+        r = httpx.post(up.server_url + "/completion", json=warm, timeout=60)
+        assert r.status_code == 200, r.text
         threads = [threading.Thread(target=run) for _ in range(2)]
         with endless_resident(up.server_url, up.server_log, HOLD_S):
             for th in threads:
