@@ -178,15 +178,15 @@ def test_recompute_restore_keeps_the_slot_size(start_server: StartServer) -> Non
 
 def test_an_n_cmpl_family_does_not_block_parking(start_server: StartServer,
                                                  slow_model: Path) -> None:
-    """A (a 300-token prompt) generates alone; B (an n_cmpl 2 family) arrives when A holds 308
-    cells. Each fits alone (488 and 208 cells of 512), together they do not: something must be
+    """A (a 420-token prompt) generates alone; B (an n_cmpl 2 family) arrives when A holds 428
+    cells. Each fits alone (488 and 128 cells of 512), together they do not: something must be
     parked, and both must complete (before the fix nothing was parkable and both streams died
     with the context error)."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "512", "-np", "3"])
-    a = grown_alone(srv, lambda: streamed(srv.url, body(token_prompt(300, 1), 188)), 300, 308)
-    b = streamed(srv.url, body(token_prompt(8, 2), 100, n_cmpl=2))
-    assert_complete(b, 2, [8], 100, multi_prompt=False, family=True)
-    assert_complete(a.result(), 1, [300], 188, multi_prompt=False)
+    a = grown_alone(srv, lambda: streamed(srv.url, body(token_prompt(420, 1), 68)), 420, 428)
+    b = streamed(srv.url, body(token_prompt(8, 2), 60, n_cmpl=2))
+    assert_complete(b, 2, [8], 60, multi_prompt=False, family=True)
+    assert_complete(a.result(), 1, [420], 68, multi_prompt=False)
     m = wait_settled(srv.url)
     assert m["n_preempt_total"] >= 1
     assert m["n_resume_total"] == m["n_preempt_total"]
@@ -351,16 +351,17 @@ def test_one_slot_still_carries_a_preempt_record(start_server: StartServer, stre
 
 def test_family_cells_are_counted_once(start_server: StartServer, slow_model: Path) -> None:
     """An n_cmpl 2 family with a 150-token prompt shares the prompt's cells: it holds 150 + 2 x 80
-    cells at most, not 2 x (150 + 80). R runs beside it and holds about 100 more: everything fits
-    the 512-cell pool (about 420 cells), so nothing may be parked. Counting the prompt once per
-    member (460 cells for the family alone at the end) parked R, the smaller slot."""
+    cells at most, not 2 x (150 + 80). R (60 + 98 cells) runs beside it: everything fits the
+    512-cell pool (about 470 cells), so nothing may be parked. Counting the prompt once per
+    member (460 cells for the family alone at the end) parked R, the smaller slot, about 40
+    tokens after the family came (R holds 80-135 cells then)."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "512", "-np", "3"])
-    r = Background(lambda: streamed(srv.url, body(token_prompt(8, 11), 150)))
-    wait_for(lambda: generating(srv.url, 20), what="R generating")
+    r = grown_alone(srv, lambda: streamed(srv.url, body(token_prompt(60, 11), 98)), 60, 80,
+                    what="R")
     f = streamed(srv.url, body(token_prompt(150, 10), 80, n_cmpl=2))
     r_res = r.result(300)
     assert_complete(f, 2, [150], 80, multi_prompt=False, family=True)
-    finals = assert_complete(r_res, 1, [8], 150, multi_prompt=False)
+    finals = assert_complete(r_res, 1, [60], 98, multi_prompt=False)
     assert finals[0]["preempt"]["parks"] == 0
     m = wait_settled(srv.url)
     assert m["n_preempt_total"] == 0, m

@@ -252,19 +252,19 @@ def test_an_image_chunk_that_does_not_fit_is_treated_as_a_prompt_that_does_not_f
 def test_a_low_priority_family_is_parked_before_a_high_priority_request(
     start_server: StartServer, slow_model: Path,
 ) -> None:
-    """A (priority 5, a 300-token prompt) generates alone; an n_cmpl 2 family of priority 0
-    arrives when A holds 308 cells. Each fits the 512-cell pool alone, together they do not.
+    """A (priority 5, a 420-token prompt) generates alone; an n_cmpl 2 family of priority 0
+    arrives when A holds 428 cells. Each fits the 512-cell pool alone, together they do not.
     The lowest rank is parked first, families included: the family is parked whole and A never
     is (it used to be, the leader being parked first whenever every other slot is in a
     family)."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "512", "-np", "3"])
-    ta = grown_alone(srv, lambda: streamed(srv.url, body(token_prompt(300, 1), 188, priority=5)),
-                     300, 308)
-    fam = bounded(srv, lambda: streamed(srv.url, body(token_prompt(8, 2), 100, n_cmpl=2,
+    ta = grown_alone(srv, lambda: streamed(srv.url, body(token_prompt(420, 1), 68, priority=5)),
+                     420, 428)
+    fam = bounded(srv, lambda: streamed(srv.url, body(token_prompt(8, 2), 60, n_cmpl=2,
                                                        priority=0)))
     a = ta.result()
-    fam_finals = assert_complete(fam, 2, [8], 100, multi_prompt=False, family=True)
-    a_finals = assert_complete(a, 1, [300], 188, multi_prompt=False)
+    fam_finals = assert_complete(fam, 2, [8], 60, multi_prompt=False, family=True)
+    a_finals = assert_complete(a, 1, [420], 68, multi_prompt=False)
     assert b": preempted" not in a.body, "the priority-5 request was parked"
     assert a_finals[0]["preempt"]["parks"] == 0, a_finals[0]["preempt"]
     assert all(f["preempt"]["parks"] >= 1 for f in fam_finals.values()), fam_finals
@@ -276,21 +276,22 @@ def test_a_low_priority_family_is_parked_before_a_high_priority_request(
 def test_a_family_restored_member_by_member_is_parked_member_by_member(
     start_server: StartServer, slow_model: Path,
 ) -> None:
-    """A (priority 5, a 300-token prompt) generates alone; an n_cmpl 3 family of priority 0 with
-    a 100-token prompt arrives when A holds 308 cells. The family fits the 512-cell pool alone
-    with its prompt shared (100 + 3 x 120 cells), not with it copied (3 x 220). It is parked
+    """A (priority 5, a 340-token prompt) generates alone; an n_cmpl 3 family of priority 0 with
+    a 100-token prompt arrives when A holds 348 cells. The family fits the 512-cell pool alone
+    with its prompt shared (100 + 3 x 100 cells), not with it copied (3 x 200). It is parked
     whole while A grows, and comes back member by member when A ends, each member restored with
     its own copy of the prompt: the three outgrew the pool, no member could be parked (a family
     is parked only whole, and its members were the only slots), and all three got the context
     error (mixed fuzz seed 976). A restored member now holds its own cells and is parked on its
     own: the members take turns and every result completes."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "512", "-np", "4"])
-    ta = grown_alone(srv, lambda: streamed(srv.url, body(token_prompt(300, 3), 188, priority=5)),
-                     300, 308)
-    fam = bounded(srv, lambda: streamed(srv.url, body(token_prompt(100, 4), 120, n_cmpl=3,
+    # A ends at 420 cells: the family's prompt fits beside it until then
+    ta = grown_alone(srv, lambda: streamed(srv.url, body(token_prompt(340, 3), 80, priority=5)),
+                     340, 348)
+    fam = bounded(srv, lambda: streamed(srv.url, body(token_prompt(100, 4), 100, n_cmpl=3,
                                                        priority=0)), loop_marker=PARK_LINE)
-    assert_complete(ta.result(), 1, [300], 188, multi_prompt=False)
-    fam_finals = assert_complete(fam, 3, [100], 120, multi_prompt=False, family=True)
+    assert_complete(ta.result(), 1, [340], 80, multi_prompt=False)
+    fam_finals = assert_complete(fam, 3, [100], 100, multi_prompt=False, family=True)
     # parked whole once, then at least one member again on its own
     parks = sorted(f["preempt"]["parks"] for f in fam_finals.values())
     assert parks[0] >= 1, parks
