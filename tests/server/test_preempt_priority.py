@@ -86,13 +86,14 @@ def test_only_low_priority_requests_are_parked(start_server: StartServer, slow_m
     slot when the pool fills: without priorities it would be the one parked. With them, only
     low-priority requests are parked, the high one never is, and every stream gets its solo
     tokens."""
-    # half the cells and tokens of a run that takes minutes on one thread: the pool still fills
-    # at about 85 % of each generation
+    # 40 prompt and 60 generated cells each on 256: the pool fills at about 80 % of each
+    # generation, most of each slot's size coming from its prompt (a fraction of a generated
+    # token's cost)
     cells = 256
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", str(cells), "-np", "3"])
-    n = 100
-    low_runs = robust_solo_runs(srv.url, 2, 8, n)
-    high_run = robust_solo_runs(srv.url, 1, 8, n, first_seed=50)[0]
+    n = 60
+    low_runs = robust_solo_runs(srv.url, 2, 40, n)
+    high_run = robust_solo_runs(srv.url, 1, 40, n, first_seed=50)[0]
     low_prompts = [p for p, _ in low_runs]
     high_prompt = high_run[0]
     solo = {tuple(p): tokens for p, tokens in [*low_runs, high_run]}
@@ -150,9 +151,10 @@ def test_a_starving_low_priority_request_still_finishes(
     args = [*BASE, *PARK, "-c", "256", "-np", "3", "--preempt-aging", "1"]
     srv = start_server(model=slow_model, args=args)
     assert "--preempt-aging 1.0" in srv.log_text()
-    # long enough to be running when the pool fills (about 80 tokens each on 256 cells)
-    n_low = 150
-    low_prompt, solo_tokens = robust_solo_runs(srv.url, 1, 8, n_low, first_seed=80)[0]
+    # long enough to be running when the pool fills (about 55 tokens in, beside two high
+    # requests of 8 + 100 cells on 256), most of its size from its prompt
+    n_low = 90
+    low_prompt, solo_tokens = robust_solo_runs(srv.url, 1, 60, n_low, first_seed=80)[0]
 
     stop = threading.Event()
     highs: list[Completion] = []
