@@ -31,7 +31,7 @@ import pytest
 
 from sidecar.ops.supervise import server_supports
 from tests.support.nginx import NGINX, Nginx, start_nginx
-from tests.support.resident import endless_resident
+from tests.support.resident import Resident, endless_resident
 from tests.support.up import UpProcess
 
 pytestmark = [
@@ -73,7 +73,7 @@ class Stack:
     reference: str  # the text of a solo, unstreamed request straight to llama-server
     read_timeout: float  # nginx's proxy_read_timeout, s
 
-    def resident(self) -> AbstractContextManager[None]:
+    def resident(self) -> AbstractContextManager[Resident]:
         """The endless resident, cut once a park has lasted HOLD_S; first the chats' prompt is
         put in a slot's cache, so the first chat's head comes at its first token (a cold
         prefill of 165 tokens can outlast nginx's read timeout on a loaded machine)."""

@@ -2,7 +2,9 @@
 
 Pair 1 is overloaded until it parks a stream: its /ready turns 503, HAProxy marks it down,
 new requests go to pair 2, the parked stream still completes, and once the park is over
-/ready is back to 200 within the poll interval and pair 1 takes requests again.
+/ready is back to 200 within the poll interval and pair 1 takes requests again. The stream is
+parked behind an endless resident (tests/support/resident.py), cut once the checks during the
+park are done: the park lasts as long as they take, on a model of any speed.
 """
 
 from __future__ import annotations
@@ -22,13 +24,12 @@ from tests.server.preempt_helpers import (
     PARK,
     Completion,
     complete,
-    long_park_sizes,
     metrics,
-    slots,
     token_prompt,
     wait_for,
 )
 from tests.support.haproxy import HAPROXY, HAProxy
+from tests.support.resident import endless_resident
 from tests.support.sidecar import SidecarProcess, ephemeral_config, start_subprocess
 
 pytestmark = [
@@ -37,6 +38,11 @@ pytestmark = [
 ]
 
 POLL = 0.2  # the sidecars' --ready-poll
+# Pair 1: B's 165 prompt tokens and the resident's 64 fit a 256-cell pool, and with both
+# generating B is parked ~10 tokens in, holding more than the 129 cells a context shift leaves
+# the resident: it stays parked until the resident is cut.
+PAIR1 = [*BASE, *PARK, "-c", "256", "-np", "2", "--context-shift"]
+B_PROMPT, B_TOKENS = 165, 32
 
 
 def ready(sidecar: SidecarProcess) -> httpx.Response:
@@ -72,15 +78,8 @@ def sidecars() -> Iterator[list[SidecarProcess]]:
 def test_haproxy_steers_new_requests_away_from_a_parking_pair(
     start_server: StartServer, slow_model: Path, sidecars: list[SidecarProcess], tmp_path: Path
 ) -> None:
-    # the park outlasts a readiness poll (0.2 s), haproxy's down check (one failed check of
-    # 0.2 s) and four two-token requests: 2.5 s where the model is fast, and at least 512
-    # cells where it is slow (with 256, one run at load 16 sent the first of the four to pair 1)
-    pool, a_tokens, b_tokens = long_park_sizes(start_server, slow_model, min_pool=512, park_s=2.5)
-    servers = [
-        start_server(model=slow_model, args=[*BASE, *PARK, "-c", str(pool), "-np", "2"])
-        for _ in range(2)
-    ]
-    print(f"pool {pool} cells, A {a_tokens} tokens, B {b_tokens} tokens")
+    servers = [start_server(model=slow_model, args=PAIR1),
+               start_server(args=[*BASE, *PARK, "-c", "256", "-np", "2"])]  # fmt: skip
     for srv in servers:
         sidecars.append(start_subprocess(ephemeral_config(srv.url, ready_poll=POLL)))
     pair_ports = [(port(sc.url), port(sc.metrics_url or "")) for sc in sidecars]
@@ -92,36 +91,32 @@ def test_haproxy_steers_new_requests_away_from_a_parking_pair(
         haproxy.wait_status("pair2", "UP")
         assert all(ready(sc).status_code == 200 for sc in sidecars)
 
-        # overload pair 1 directly: A leads, B overflows the pool and is parked
+        # overload pair 1 directly: the resident leads, B overflows the pool and is parked
         results: dict[str, Completion] = {}
         one = sidecars[0].url
 
-        def run(name: str, prompt: list[int], n: int) -> None:
-            results[name] = complete(one, prompt, n, timeout=300)
+        def run_b() -> None:
+            results["b"] = complete(one, token_prompt(B_PROMPT, 1), B_TOKENS, timeout=300)
 
-        ta = threading.Thread(target=run, args=("a", token_prompt(8, 0), a_tokens), daemon=True)
-        ta.start()
-        wait_for(
-            lambda: any(s["next_token"][0]["n_decoded"] >= 2
-                        for s in slots(servers[0].url) if s["is_processing"]),
-            timeout=120, what="A generating",
-        )  # fmt: skip
-        tb = threading.Thread(target=run, args=("b", token_prompt(8, 1), b_tokens), daemon=True)
-        tb.start()
+        tb = threading.Thread(target=run_b, daemon=True)
+        assert servers[0].log_path is not None
+        with endless_resident(servers[0].url, servers[0].log_path, None) as a:
+            tb.start()
+            wait_for(lambda: ready(sidecars[0]).status_code == 503, timeout=120,
+                     what="/ready 503")  # fmt: skip
+            assert "parked" in ready(sidecars[0]).text
+            haproxy.wait_status("pair1", "DOWN")
+            assert metrics(servers[0].url)["requests_preempted"] >= 1, "the park ended too soon"
+            # new work goes to the other pair while pair 1 parks
+            assert served_by(haproxy, 4) == ["pair2"] * 4
+            assert not a.ended, "the resident ended before the checks during the park"
 
-        wait_for(lambda: ready(sidecars[0]).status_code == 503, timeout=120, what="/ready 503")
-        assert "parked" in ready(sidecars[0]).text
-        haproxy.wait_status("pair1", "DOWN")
-        assert metrics(servers[0].url)["requests_preempted"] >= 1, "the park ended too soon"
-        # new work goes to the other pair while pair 1 parks
-        assert served_by(haproxy, 4) == ["pair2"] * 4
-
-        # the parked stream and its leader finish untouched
-        ta.join(300)
+        # the parked stream finishes untouched, and its leader ran until the test cut it
         tb.join(300)
-        assert results["a"].ok, (results["a"].error, results["b"].error)
-        assert results["b"].ok, (results["a"].error, results["b"].error)
-        assert len(results["b"].tokens) == b_tokens
+        assert a.status == 200, a
+        assert a.chunks > 0, a
+        assert results["b"].ok, results["b"].error
+        assert len(results["b"].tokens) == B_TOKENS
         assert results["b"].final is not None
         assert results["b"].final["preempt"]["parks"] >= 1
 

@@ -17,6 +17,7 @@ import re
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -32,15 +33,26 @@ def token_prompt(n: int, start: int = 0) -> list[int]:
     return [TEXT_TOKENS[(start + i * 37) % len(TEXT_TOKENS)] for i in range(n)]
 
 
+@dataclass
+class Resident:
+    status: int | None = None  # its response's status
+    chunks: int = 0  # body reads before the cut
+    cut: bool = False  # cut by the block's end, the hold or the minute
+    ended: bool = False  # its stream is over (cut, or ended by itself: an error)
+
+
 @contextlib.contextmanager
 def endless_resident(
-    server_url: str, server_log: Path, hold_s: float, prompt_tokens: int = 64
-) -> Iterator[None]:
-    """Run the block beside the resident; it is cut once a park has lasted `hold_s`, when the
-    block ends, or after a minute (so that a missing park fails the test's own checks rather
-    than hangs it). An error of the resident's own stream fails the test after the block."""
+    server_url: str, server_log: Path, hold_s: float | None, prompt_tokens: int = 64
+) -> Iterator[Resident]:
+    """Run the block beside the resident; it is cut once a park has lasted `hold_s` (None: no
+    such cut), when the block ends, or after a minute (so that a missing park fails the test's
+    own checks rather than hangs it). An error of the resident's own stream fails the test
+    after the block."""
     body = {"prompt": token_prompt(prompt_tokens), "n_predict": -1, "ignore_eos": True,
             "priority": 1, "stream": True}  # fmt: skip
+    resident = Resident()
+    hold = float("inf") if hold_s is None else hold_s
     stop = threading.Event()
     errors: list[BaseException] = []
     log = server_log.open(errors="replace")
@@ -57,8 +69,10 @@ def endless_resident(
         parked: dict[str, float] = {}  # task -> when its park was first seen
         with httpx.stream("POST", server_url + "/completion", json=body,
                           timeout=httpx.Timeout(60, connect=10)) as r:  # fmt: skip
+            resident.status = r.status_code
             r.raise_for_status()
             for _ in r.iter_raw():
+                resident.chunks += 1
                 now = time.monotonic()
                 *lines, tail = (tail + log.read()).split("\n")
                 for task, what in PARK_RE.findall("\n".join(lines)):
@@ -67,7 +81,8 @@ def endless_resident(
                     else:
                         parked.pop(task, None)
                 held = now - min(parked.values(), default=now)
-                if stop.is_set() or now > deadline or held >= hold_s:
+                if stop.is_set() or now > deadline or held >= hold:
+                    resident.cut = True
                     return
 
     def guarded() -> None:
@@ -75,11 +90,13 @@ def endless_resident(
             run()
         except BaseException as e:  # reported after the block
             errors.append(e)
+        finally:
+            resident.ended = True
 
     th = threading.Thread(target=guarded, daemon=True)
     th.start()
     try:
-        yield
+        yield resident
     finally:
         stop.set()
         th.join(60)
