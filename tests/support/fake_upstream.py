@@ -493,12 +493,14 @@ class LlamaServerFake:
         self.resumes += 1
 
 
+HELP = "usage: fake llama-server\n  -m, --model FNAME\n  --port PORT\n"
+HELP_PREEMPT = "  --preempt-ram N    MiB of host RAM for parked states\n"
+
+
 def main(argv: list[str]) -> int:
     """Be llama-server for `up`: its --help, its argument errors, its endpoints."""
     if "--help" in argv:
-        print("usage: fake llama-server\n  -m, --model FNAME\n  --port PORT")
-        if os.environ.get("FAKE_NO_PREEMPT") != "1":
-            print("  --preempt-ram N    MiB of host RAM for parked states")
+        print(HELP + ("" if os.environ.get("FAKE_NO_PREEMPT") == "1" else HELP_PREEMPT), end="")
         return 0
     if "--fake-fail" in argv:  # an argument llama-server would reject
         print("error: invalid argument: --fake-fail", flush=True)
@@ -523,11 +525,21 @@ def main(argv: list[str]) -> int:
 
 
 def fake_server_bin(directory: Path) -> Path:
-    """An executable ``llama-server`` in ``directory`` that runs this module's :func:`main`."""
+    """An executable ``llama-server`` in ``directory`` that runs this module's :func:`main`.
+
+    It answers ``--help`` (which `up` asks on every start) itself, without starting Python.
+    """
     repo = Path(__file__).resolve().parents[2]
     path = directory / "llama-server"
     path.write_text(
         "#!/bin/sh\n"
+        'for a in "$@"; do\n'
+        '  if [ "$a" = --help ]; then\n'
+        f"    printf %s {shlex.quote(HELP)}\n"
+        f'    [ "$FAKE_NO_PREEMPT" = 1 ] || printf %s {shlex.quote(HELP_PREEMPT)}\n'
+        "    exit 0\n"
+        "  fi\n"
+        "done\n"
         f'export PYTHONPATH={shlex.quote(str(repo))}"${{PYTHONPATH:+:$PYTHONPATH}}"\n'
         f'exec {shlex.quote(sys.executable)} -m tests.support.fake_upstream "$@"\n'
     )
