@@ -38,6 +38,7 @@ from tests.server.preempt_helpers import (
     PARK,
     PARK_LINE,
     ROTATE_NOW,
+    RawStream,
     complete,
     complete_many,
     completion_body,
@@ -417,6 +418,17 @@ def launched_tasks(log: str) -> list[int]:
     return [task for _, task in slot_lines(log, "processing task, is_child")]
 
 
+def park_a_pair_to_cut(srv: LlamaServer) -> list[RawStream]:
+    """park_a_pair()'s two streams on plain sockets, for a test that needs only the park: it cuts
+    them (cancel()) once its checks have run, instead of waiting for A's last tokens and B's
+    restore. Returns once a slot is parked."""
+    pair = [RawStream(srv.url, token_prompt(116, 50), 92),
+            RawStream(srv.url, token_prompt(96, 51), 24)]
+    wait_for(lambda: any(s.get("is_preempted") for s in slots(srv.url)), what="a parked slot",
+             timeout=240)  # a condition, not a time limit
+    return pair
+
+
 def test_requests_behind_the_parked_line_come_back_in_arrival_order(
     start_server: StartServer, slow_model: Path,
 ) -> None:
@@ -528,13 +540,14 @@ def test_a_slot_restore_is_refused_while_a_request_is_parked(start_server: Start
     assert saved.status_code == 200, saved.text[:400]
     httpx.post(f"{srv.url}/slots/2?action=erase", timeout=60).raise_for_status()
 
-    pair = park_a_pair(srv)
+    pair = park_a_pair_to_cut(srv)
     idle = [s["id"] for s in slots(srv.url) if not s["is_processing"]]
     assert idle, "no idle slot"
     refused = httpx.post(f"{srv.url}/slots/{idle[0]}?action=restore",
                          json={"filename": "s2.bin"}, timeout=60)
     parked_then = any(s.get("is_preempted") for s in slots(srv.url))
-    pair.result()
+    for stream in pair:
+        stream.cancel()
     assert parked_then, "the park ended before the restore was asked: no test"
     assert 400 <= refused.status_code < 500, refused.text[:400]
     assert "parked" in refused.json()["error"]["message"]
