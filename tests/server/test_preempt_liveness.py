@@ -436,7 +436,7 @@ def test_requests_behind_the_parked_line_come_back_in_arrival_order(
     they wait behind the parked line and must start in arrival order once it is empty (they
     started C, E, D: the pop put each task in front of the one popped before it)."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "5"])
-    pair = park_a_pair(srv)
+    pair = park_a_pair_to_cut(srv)
     before = launched_tasks(srv.log_text())
     late: list[threading.Thread] = []
     for seed in (60, 61, 62):
@@ -453,7 +453,9 @@ def test_requests_behind_the_parked_line_come_back_in_arrival_order(
             return metrics(srv.url)["requests_deferred"] >= n
 
         wait_for(deferred, what=f"{n_late} deferred requests", timeout=60)
-    pair.result()
+    # the pair's clients go away: the parked line empties at once (B is dropped), not when A ends
+    for stream in pair:
+        stream.cancel()
     for t in late:
         t.join(120)
     started = [task for task in launched_tasks(srv.log_text()) if task not in before]
@@ -512,12 +514,18 @@ def test_a_request_that_fails_at_launch_keeps_its_4xx_behind_the_parked_line(
     and got the 4xx at launch; the first build with `: queued` answered 200 + an in-stream error
     for the oversized prompt, which test_preempt_kv.py's seeded soak caught)."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "3"])
-    pair = park_a_pair(srv)
+    pair = park_a_pair_to_cut(srv)
     extra: dict[str, Any] = {"grammar": "root ::= ("} if bad == "grammar" else {}
     prompt = token_prompt(300 if bad == "oversized" else 8, 53)
-    late = stream_sse(f"{srv.url}/completion",
-                      completion_body(prompt, 8, stream=True, **extra))
-    pair.result()
+    run = Background(lambda: stream_sse(f"{srv.url}/completion",
+                                        completion_body(prompt, 8, stream=True, **extra)))
+    # it waits behind the parked line (or is answered before); then the pair's clients go away
+    # and the line empties at once (B is dropped) instead of when A ends
+    wait_for(lambda: not run.thread.is_alive() or metrics(srv.url)["requests_deferred"] >= 1,
+             what="the late request waiting", timeout=60)
+    for stream in pair:
+        stream.cancel()
+    late = run.result(120)
     assert 400 <= late.status < 500, (late.status, late.lines[:3])
     assert not any(line == ": queued" for _, line in late.lines), late.lines[:3]
     wait_settled(srv.url)
