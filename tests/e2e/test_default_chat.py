@@ -34,7 +34,7 @@ def assert_chat_answer(text: str) -> None:
 
 def test_up_default_model_answers_a_question(tmp_path: Path, llama_server_bin: Path) -> None:
     up = UpProcess(["--server-bin", str(llama_server_bin), "--parallel", "1",
-                    "--ctx-size", "2048", "--", "-t", "2"], tmp_path)  # fmt: skip
+                    "--ctx-size", "2048", "--", "-t", "1"], tmp_path)  # fmt: skip
     up.start(timeout=300)
     try:
         assert cmdline(up.server_pid()).split(" -m ")[1].split()[0].endswith(SMOLLM2_FILE)
