@@ -27,9 +27,10 @@ pytestmark = [
     pytest.mark.skipif(NGINX is None, reason="nginx is not installed (apt-get install nginx)"),
 ]
 
-# The sidecar's keepalives come four times per read timeout; the resident is cut once a park
-# has lasted half as long again.
-READ_TIMEOUT_S = 0.5
+# The sidecar's keepalives come eight times per read timeout; the resident is cut once a park
+# has lasted half as long again. (At 0.5 s a loaded machine let a stream wait longer than the
+# timeout for its head: a launch waits for the iteration that prefills the resident.)
+READ_TIMEOUT_S = 1.0
 KEEPALIVE_S = 0.125
 HOLD_S = 1.5 * READ_TIMEOUT_S
 # Two streams of 165 prompt tokens in a 256-cell pool of three slots: the second waits for the
