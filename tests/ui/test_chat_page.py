@@ -50,9 +50,10 @@ from tests.support.procs import wait_until
 from tests.support.sse_client import StreamLog, stream_sse
 from tests.support.up import UpProcess
 
-# serial: four browser tabs and a server whose parks must last seconds; beside a second xdist
-# worker one CI run lost a chat's stream copy through nginx (an empty record)
-pytestmark = [pytest.mark.server, pytest.mark.slow, pytest.mark.serial]
+# Not serial: the parks are sized in the model's steps and what each test asserts is counted by
+# the server and the page (parks, pauses, texts), not timed; the one clock, nginx's read timeout,
+# is eight keepalive intervals. A second xdist worker beside it only makes it slower.
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 # Greedy, a fixed length (the random weights would stop at random), so the chats' sizes are
 # known. Short replies to long messages: the long prompts make the chats large, and every
@@ -191,7 +192,19 @@ def reference_server(tmp_path_factory: pytest.TempPathFactory, llama_server_bin:
 NEAR_TIE = 0.2
 
 
+# The reference reply of each request body, once per reference server: a body that several
+# tests send (the same message in a fresh chat) is generated once.
+_REFERENCES: dict[tuple[str, str], str] = {}
+
+
 def reference_text(ref: LlamaServer, request_body: str) -> str:
+    key = (ref.url, request_body)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = _reference_text(ref, request_body)
+    return _REFERENCES[key]
+
+
+def _reference_text(ref: LlamaServer, request_body: str) -> str:
     body = json.loads(request_body)
     body["stream"] = False
     body.pop("stream_options", None)
