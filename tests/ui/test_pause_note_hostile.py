@@ -22,7 +22,7 @@ from sidecar.cli.up import has_page
 from tests.conftest import StartServer
 from tests.ui.test_chat_page import NOTE, NOTE_TEXT, RECORDER, Chat, open_chat, send
 
-pytestmark = [pytest.mark.server]
+pytestmark = [pytest.mark.server, pytest.mark.slow]
 
 PAIRS = 5_000
 
