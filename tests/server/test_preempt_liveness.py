@@ -418,12 +418,14 @@ def launched_tasks(log: str) -> list[int]:
     return [task for _, task in slot_lines(log, "processing task, is_child")]
 
 
-def park_a_pair_to_cut(srv: LlamaServer) -> list[RawStream]:
-    """park_a_pair()'s two streams on plain sockets, for a test that needs only the park: it cuts
-    them (cancel()) once its checks have run, instead of waiting for A's last tokens and B's
-    restore. Returns once a slot is parked."""
-    pair = [RawStream(srv.url, token_prompt(116, 50), 92),
-            RawStream(srv.url, token_prompt(96, 51), 24)]
+def park_behind_a_resident(srv: LlamaServer) -> list[RawStream]:
+    """A resident A (116 prompt tokens, priority 1: never the victim) that generates without end
+    (the server has context shift on: a shift leaves it 129 of the 256 cells), and B (125 prompt
+    tokens), which the pool cannot hold beside A a few tokens in: B is parked, or waits to
+    prefill, with more than 119 cells, so it stays parked until the test cuts both streams
+    (cancel()), on a model of any speed. Returns once a slot is parked."""
+    pair = [RawStream(srv.url, token_prompt(116, 50), -1, priority=1),
+            RawStream(srv.url, token_prompt(125, 51), 24)]
     wait_for(lambda: any(s.get("is_preempted") for s in slots(srv.url)), what="a parked slot",
              timeout=240)  # a condition, not a time limit
     return pair
@@ -435,8 +437,9 @@ def test_requests_behind_the_parked_line_come_back_in_arrival_order(
     """C, D and E arrive one after the other while a slot is parked (a slot is free for each):
     they wait behind the parked line and must start in arrival order once it is empty (they
     started C, E, D: the pop put each task in front of the one popped before it)."""
-    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "5"])
-    pair = park_a_pair_to_cut(srv)
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "5",
+                                               "--context-shift"])
+    pair = park_behind_a_resident(srv)
     before = launched_tasks(srv.log_text())
     late: list[threading.Thread] = []
     for seed in (60, 61, 62):
@@ -453,7 +456,7 @@ def test_requests_behind_the_parked_line_come_back_in_arrival_order(
             return metrics(srv.url)["requests_deferred"] >= n
 
         wait_for(deferred, what=f"{n_late} deferred requests", timeout=60)
-    # the pair's clients go away: the parked line empties at once (B is dropped), not when A ends
+    # the pair's clients go away: the parked line empties (B is dropped)
     for stream in pair:
         stream.cancel()
     for t in late:
@@ -513,14 +516,15 @@ def test_a_request_that_fails_at_launch_keeps_its_4xx_behind_the_parked_line(
     4xx, not 200 and an error inside the stream (before `: queued` existed it waited silently
     and got the 4xx at launch; the first build with `: queued` answered 200 + an in-stream error
     for the oversized prompt, which test_preempt_kv.py's seeded soak caught)."""
-    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "3"])
-    pair = park_a_pair_to_cut(srv)
+    srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "3",
+                                               "--context-shift"])
+    pair = park_behind_a_resident(srv)
     extra: dict[str, Any] = {"grammar": "root ::= ("} if bad == "grammar" else {}
     prompt = token_prompt(300 if bad == "oversized" else 8, 53)
     run = Background(lambda: stream_sse(f"{srv.url}/completion",
                                         completion_body(prompt, 8, stream=True, **extra)))
     # it waits behind the parked line (or is answered before); then the pair's clients go away
-    # and the line empties at once (B is dropped) instead of when A ends
+    # and the line empties (B is dropped)
     wait_for(lambda: not run.thread.is_alive() or metrics(srv.url)["requests_deferred"] >= 1,
              what="the late request waiting", timeout=60)
     for stream in pair:
@@ -539,7 +543,8 @@ def test_a_slot_restore_is_refused_while_a_request_is_parked(start_server: Start
     frees for the parked head). It is refused with a 400 that says why; once nothing is parked
     the same restore is accepted."""
     srv = start_server(model=slow_model, args=[*BASE, *PARK, "-c", "256", "-np", "3",
-                                               "--slot-save-path", str(tmp_path)])
+                                               "--context-shift", "--slot-save-path",
+                                               str(tmp_path)])
     r = httpx.post(f"{srv.url}/completion", timeout=120,
                    json=completion_body(token_prompt(8, 7), 4, stream=False, cache_prompt=True,
                                         id_slot=2))
@@ -548,7 +553,7 @@ def test_a_slot_restore_is_refused_while_a_request_is_parked(start_server: Start
     assert saved.status_code == 200, saved.text[:400]
     httpx.post(f"{srv.url}/slots/2?action=erase", timeout=60).raise_for_status()
 
-    pair = park_a_pair_to_cut(srv)
+    pair = park_behind_a_resident(srv)
     idle = [s["id"] for s in slots(srv.url) if not s["is_processing"]]
     assert idle, "no idle slot"
     refused = httpx.post(f"{srv.url}/slots/{idle[0]}?action=restore",
