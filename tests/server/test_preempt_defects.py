@@ -326,7 +326,8 @@ def test_preempt_ram_env_rejects_a_fraction(start_server: StartServer) -> None:
 def test_the_effective_setting_is_echoed(start_server: StartServer, args: list[str],
                                         echo: str) -> None:
     srv = start_server(args=[*BASE, "-c", "256", "-np", "2", *args])
-    assert echo in srv.log_text()
+    # the server's log thread may write its startup lines after /health answers
+    wait_for(lambda: echo in srv.log_text(), timeout=10, what=f"{echo!r} in the log")
 
 
 # defect 14 -----------------------------------------------------------------------------------
@@ -335,7 +336,8 @@ def test_the_effective_setting_is_echoed(start_server: StartServer, args: list[s
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
 def test_one_slot_still_carries_a_preempt_record(start_server: StartServer, stream: bool) -> None:
     srv = start_server(args=[*BASE, *PARK, "-c", "256", "-np", "1"])
-    assert "KV preemption is off: it needs at least 2 slots" in srv.log_text()
+    off = "KV preemption is off: it needs at least 2 slots"
+    wait_for(lambda: off in srv.log_text(), timeout=10, what=f"{off!r} in the log")
     if stream:
         res = streamed(srv.url, body(token_prompt(8, 9), 16))
         finals = assert_complete(res, 1, [8], 16, multi_prompt=False)

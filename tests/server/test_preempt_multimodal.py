@@ -182,7 +182,7 @@ def test_the_image_reaches_the_model(plain: LlamaServer) -> None:
     same text with another image gives other tokens, the same image the same ones. Without this
     the tests below could pass with images that the model never sees."""
     srv = plain
-    assert "loaded multimodal model" in srv.log_text()
+    wait_log(srv, "loaded multimodal model")
     assert props(srv.url)["modalities"]["vision"]
     first = complete(srv.url, picture_prompt(srv.url, 1), 24)
     again = complete(srv.url, picture_prompt(srv.url, 1), 24)
@@ -201,7 +201,7 @@ def test_forced_swap_parks_of_an_image_slot_change_nothing(start_server: StartSe
     and the tokens are those of a server that never parks."""
     args = pair.args("-c", "1024", "-np", "2")
     forced = start_server(model=pair.text, args=args, env=EVERY_8)
-    assert "LLAMA_SERVER_PREEMPT_EVERY = 8" in forced.log_text()
+    wait_log(forced, "LLAMA_SERVER_PREEMPT_EVERY = 8")
 
     for seed in (3, 4):
         ref = complete(plain.url, picture_prompt(plain.url, seed), 64)
@@ -224,7 +224,7 @@ def test_an_image_slot_is_never_parked_by_recompute(start_server: StartServer,
     and finishes with the tokens of a server that never parks."""
     args = pair.args("-c", "1024", "-np", "2")
     forced = start_server(model=pair.text, args=args, env={**EVERY_8, **FAIL_SAVE})
-    assert "LLAMA_SERVER_PREEMPT_FAIL_SAVE = 1" in forced.log_text()
+    wait_log(forced, "LLAMA_SERVER_PREEMPT_FAIL_SAVE = 1")
 
     ref = complete(plain.url, picture_prompt(plain.url, 5), 64)
     got = complete(forced.url, picture_prompt(forced.url, 5), 64)

@@ -150,7 +150,9 @@ def test_a_starving_low_priority_request_still_finishes(
     they are still coming."""
     args = [*BASE, *PARK, "-c", "256", "-np", "3", "--preempt-aging", "1"]
     srv = start_server(model=slow_model, args=args)
-    assert "--preempt-aging 1.0" in srv.log_text()
+    # the server's log thread may write its startup lines after /health answers
+    wait_for(lambda: "--preempt-aging 1.0" in srv.log_text(), timeout=10,
+             what="the aging setting in the log")
     # long enough to be running when the pool fills (about 55 tokens in, beside two high
     # requests of 8 + 100 cells on 256), most of its size from its prompt
     n_low = 90
