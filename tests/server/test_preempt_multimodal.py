@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import random
 import string
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -101,21 +100,6 @@ def pair(request: pytest.FixtureRequest) -> Pair:
     )
 
 
-@pytest.fixture(scope="module")
-def plain(pair: Pair, llama_server_bin: Path,
-          tmp_path_factory: pytest.TempPathFactory) -> Iterator[LlamaServer]:
-    """A pair's server that is never made to park (1024 cells, 2 slots), shared by the tests
-    that take their reference answers from it: a greedy answer does not depend on what the
-    server answered before (no prompt cache)."""
-    log = tmp_path_factory.mktemp(f"plain-{pair.name}") / "llama-server.log"
-    srv = LlamaServer(llama_server_bin, pair.text, pair.args("-c", "1024", "-np", "2"),
-                      log_path=log)
-    try:
-        yield srv.start()
-    finally:
-        srv.stop()
-
-
 def props(url: str) -> dict[str, Any]:
     r = httpx.get(f"{url}/props", timeout=10)
     r.raise_for_status()
@@ -177,11 +161,11 @@ def text_prompts(url: str, pair: Pair, count: int, n_predict: int) -> list[list[
     return robust_prompts(url, count, 8, n_predict, first_seed=0 if pair.name == "llava" else 1000)
 
 
-def test_the_image_reaches_the_model(plain: LlamaServer) -> None:
+def test_the_image_reaches_the_model(start_server: StartServer, pair: Pair) -> None:
     """The generated projector loads, an image prompt is answered, and the image matters: the
     same text with another image gives other tokens, the same image the same ones. Without this
     the tests below could pass with images that the model never sees."""
-    srv = plain
+    srv = start_server(model=pair.text, args=pair.args("-c", "1024", "-np", "2"))
     wait_log(srv, "loaded multimodal model")
     assert props(srv.url)["modalities"]["vision"]
     first = complete(srv.url, picture_prompt(srv.url, 1), 24)
@@ -196,10 +180,11 @@ def test_the_image_reaches_the_model(plain: LlamaServer) -> None:
 
 
 def test_forced_swap_parks_of_an_image_slot_change_nothing(start_server: StartServer,
-                                                           pair: Pair, plain: LlamaServer) -> None:
+                                                           pair: Pair) -> None:
     """A park every 8 generated tokens, by swap: the image's cells go to host RAM and come back,
     and the tokens are those of a server that never parks."""
     args = pair.args("-c", "1024", "-np", "2")
+    plain = start_server(model=pair.text, args=args)
     forced = start_server(model=pair.text, args=args, env=EVERY_8)
     wait_log(forced, "LLAMA_SERVER_PREEMPT_EVERY = 8")
 
@@ -218,11 +203,12 @@ def test_forced_swap_parks_of_an_image_slot_change_nothing(start_server: StartSe
 
 
 def test_an_image_slot_is_never_parked_by_recompute(start_server: StartServer,
-                                                    pair: Pair, plain: LlamaServer) -> None:
+                                                    pair: Pair) -> None:
     """Host copies fail, so a park would have to go by recompute, and a generating slot holding
     an image chunk cannot be re-prefilled from token ids: it is not parked (the server says so)
     and finishes with the tokens of a server that never parks."""
     args = pair.args("-c", "1024", "-np", "2")
+    plain = start_server(model=pair.text, args=args)
     forced = start_server(model=pair.text, args=args, env={**EVERY_8, **FAIL_SAVE})
     wait_log(forced, "LLAMA_SERVER_PREEMPT_FAIL_SAVE = 1")
 
@@ -236,12 +222,12 @@ def test_an_image_slot_is_never_parked_by_recompute(start_server: StartServer,
 
 
 def test_a_text_slot_beside_an_mmproj_is_parked_by_recompute(start_server: StartServer,
-                                                             pair: Pair,
-                                                             plain: LlamaServer) -> None:
+                                                             pair: Pair) -> None:
     """The refusal is for slots that hold an image, not for every slot of a server with an mmproj
     loaded (issue 10: text-only slots then fell back to the context error): a text-only request
     there is parked by recompute each 8 tokens and gives the tokens of an unparked run."""
     args = pair.args("-c", "1024", "-np", "2")
+    plain = start_server(model=pair.text, args=args)
     forced = start_server(model=pair.text, args=args, env={**EVERY_8, **FAIL_SAVE})
     prompt = text_prompts(plain.url, pair, 1, 64)[0]
 
@@ -255,12 +241,12 @@ def test_a_text_slot_beside_an_mmproj_is_parked_by_recompute(start_server: Start
     assert m["preempt_recompute_total"] == m["n_preempt_total"] >= 6, m
 
 
-def test_recompute_refusal_is_per_slot(start_server: StartServer, pair: Pair,
-                                       plain: LlamaServer) -> None:
+def test_recompute_refusal_is_per_slot(start_server: StartServer, pair: Pair) -> None:
     """An image prompt and a text prompt in one request, host copies failing: the image slot is
     never parked, the text slot beside it is parked by recompute, and both give the tokens of
     their unparked solo runs."""
     args = pair.args("-c", "1024", "-np", "2")
+    plain = start_server(model=pair.text, args=args)
     forced = start_server(model=pair.text, args=args, env={**EVERY_8, **FAIL_SAVE})
     text = text_prompts(plain.url, pair, 1, 64)[0]
     ref_picture = complete(plain.url, robust_picture_prompts(plain.url, 1, 64)[0], 64)
