@@ -1,4 +1,4 @@
-"""What a parked stream hears (issue 5): the probe of `llama-sidecar probe` against three servers.
+"""What a parked stream hears: the probe of `llama-sidecar probe` against three servers.
 
     python -m benchmarks.keepalive_probe [--tokens N] [--stagger S] [--timeline] [--json FILE]
 

@@ -1,4 +1,4 @@
-"""KV preemption benchmarks (issue 4): what parking costs and what it buys.
+"""KV preemption benchmarks: what parking costs and what it buys.
 
     python -m benchmarks.preempt_bench [--rounds N] [--only cost,overload,swap] [--json FILE]
 
@@ -16,8 +16,8 @@
              `--before BIN` measures a second build side by side.
 4. pressure: the first park of a busy period under real pressure (no forced parks): two chats
              on the wide-KV model overflow the pool together and the planner parks the smaller
-             (~0.95 GiB); its rate against a memcpy, whether it took a block prefaulted in the
-             background (patch 0012), and the other stream's stall; `--before BIN` as for swap.
+             (~0.95 GiB); its rate against a memcpy, whether it took a block the pool prefaulted
+             in the background, and the other stream's stall; `--before BIN` as for swap.
 
 Figures are ratios measured side by side in one run; the machine and its load change the
 absolute numbers. The binaries come from build_llama.sh (LLAMA_SERVER_BIN and
@@ -175,11 +175,11 @@ def bench_overload(servers: Servers, model: Path, n_predict: int) -> dict[str, A
 # 3 ---------------------------------------------------------------------------------------------
 
 RESUME_RE = re.compile(r"state ([0-9.]+) MiB restored in ([0-9.]+) ms")
-# patch 0010 and later: where a park's time went
+# parks through the host pool: where a park's time went
 BREAKDOWN_RE = re.compile(
     r"\(size ([0-9.]+) ms, block ([0-9.]+) ms, copy ([0-9.]+) ms, release ([0-9.]+) ms\)"
 )
-# patch 0012: a block faulted in by a background thread before the park that takes it
+# a block faulted in by the pool's background thread before the park that takes it
 PREFAULTED_RE = re.compile(
     r"prefaulted plain block of ([0-9.]+) MiB in ([0-9.]+) ms \(background"
     r"(?:, the park waited ([0-9.]+) ms for its last part)?\)"
@@ -188,7 +188,7 @@ TAKES_PREFAULTED = "the park takes the prefaulted plain block"
 
 
 def prefault_fields(log: str) -> dict[str, Any]:
-    """Patch 0012 in a server log: whether the first park took a block prefaulted in the
+    """The pool's prefault in a server log: whether the first park took a block prefaulted in the
     background, and every prefault (its size, time, and how long a park waited for it)."""
     lines = log.splitlines()
     first_park = next(i for i, ln in enumerate(lines) if PARK_RE.search(ln))
@@ -214,7 +214,7 @@ def memcpy_mib_s(
     each time: numpy's allocator would hand a freed buffer of a few MiB straight back, warm).
     With `threads` > 1 the bytes are split in shares of at least 4 MiB, at most `threads`,
     copied at once (ctypes.memmove lets go of the GIL): the rule of the server's own copy
-    (patch 0014), and the reference for it.
+    (libllama's patched state copy), and the reference for it.
 
     `evicted`: a warm buffer, but both buffers are pushed out of the CPU caches before each copy
     by reading EVICT_MIB of other memory. That is what a park meets: between two parks every

@@ -7,7 +7,7 @@ close to filling it, one short "interactive" request arrives. Two modes, interle
 round on the same server:
 
 * with priorities:    the lows carry priority -1, the interactive request priority 5;
-* without priorities: everyone at the default 0 (what the server did before issue 14).
+* without priorities: everyone at the default 0 (what the server did before request priority).
 
 Without priorities the interactive request is the smallest slot when the pool fills, so it is
 the one parked until a long generation ends. With them a low-priority generation is parked

@@ -12,7 +12,7 @@ own process); each proxy is its own process so its CPU time can be read from
   keepalive); the worst gap any client saw and the sidecar's peak RSS.
 
 Sidecar variants: event loop uvloop or asyncio (the upstream client is h11; the httpx
-client was removed in issue 12, the names keep "h11" so runs compare across versions).
+client was removed later; the names keep "h11" so runs compare across versions).
 
 ``--pin`` (a methodology check, not the default): the fake upstream and this
 driver (the load generator) run on CPU 0, every proxy on CPU 1, so a proxy's

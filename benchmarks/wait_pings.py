@@ -1,4 +1,4 @@
-"""Patch 0001 side by side: pings a waiting stream gets on a busy server, stock vs patched.
+"""The fixed-deadline wait, stock vs patched: pings a waiting stream gets on a busy server.
 
     python -m benchmarks.wait_pings [--rounds N]
 

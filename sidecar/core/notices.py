@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 The patched llama-server announces KV preemption to streaming clients as SSE
-comment lines (see DESIGN.md, "The notice contract")::
+comment lines (docs/preemption.md, "Stream notices")::
 
     : preempted        : resumed        : recomputed        : preempt-keepalive
     : preempted 1      (multi-prompt streams append the prompt index)

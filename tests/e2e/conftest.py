@@ -13,7 +13,7 @@ from tests.support.up import UpProcess
 
 RunUp = Callable[..., UpProcess]
 
-# Two streams that cannot fit the 256-cell pool together (PREEMPTION.md, issue 4 test 2).
+# Two streams that cannot fit the 256-cell pool together.
 OVERFLOW_ARGS = ("--parallel", "2", "--ctx-size", "256", "--preempt-ram", "8192")
 
 
@@ -25,14 +25,14 @@ def fake_server_bin(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def preempting_server_bin(llama_server_bin: Path) -> Path:
-    """The patched binary, which must have KV preemption (`--preempt-ram`, issue 4).
+    """The patched binary, which must have KV preemption (`--preempt-ram`).
 
     Fails rather than skips: these tests exist to show parking end to end, and a build
     without it would make them pass vacuously or not at all.
     """
     if not server_supports(llama_server_bin, "--preempt-ram"):
         pytest.fail(
-            f"{llama_server_bin} has no --preempt-ram: the KV preemption patch (issue 4) "
+            f"{llama_server_bin} has no --preempt-ram: the KV preemption patches "
             "is not in server_patch/series yet, or the binary is stale (./build_llama.sh)"
         )
     return llama_server_bin

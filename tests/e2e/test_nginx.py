@@ -43,7 +43,7 @@ TOKENS = 20
 
 
 def server_park_lengths(log_text: str) -> list[float]:
-    """Park lengths from llama-server's log (`resumed after X s`, PREEMPTION.md §9)."""
+    """Park lengths from llama-server's log (`resumed after X s`, docs/preemption.md)."""
     return [float(x) for x in re.findall(r"resumed after ([0-9.]+) s", log_text)]
 
 

@@ -69,7 +69,7 @@ def test_probe_reports_the_parks_the_server_reports(up: UpProcess, tmp_path: Pat
     assert parks1 - parks0 >= 2 * (TOKENS // EVERY - 1), "nothing was parked"
     assert totals["parks"] >= 1, (
         f"llama-server parked {parks1 - parks0:g} time(s) but no stream carried a "
-        "': preempted' notice: the stream-notices patch (issue 5) is not in this build"
+        "': preempted' notice: the stream-notices patch is not in this build"
     )
     assert totals["parks"] == parks1 - parks0
     assert totals["resumes"] == resumes1 - resumes0
@@ -89,7 +89,7 @@ def test_probe_prints_a_timeline_and_a_table(up: UpProcess) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = r.stdout.splitlines()
     assert any(": preempted" in ln and "#" in ln for ln in lines), (
-        "no ': preempted' line (is the stream-notices patch, issue 5, in this build?)\n"
+        "no ': preempted' line (is the stream-notices patch in this build?)\n"
         + r.stdout[-3000:]
     )
     assert any(ln.startswith("total") and "2/2 done" in ln for ln in lines)

@@ -5,8 +5,8 @@ panels have data. Runs without the C++ build; test_prometheus_live.py is the rea
 The scrape interval is longer than every idle timeout of the sidecar's metrics listener
 (given to the sidecar through `up`'s environment), so every scrape finds its kept-alive
 connection closed, as Prometheus's default 1 m interval does against the default 75 s
-keep-alive timeout when a scrape is late: each scrape must still succeed (issue 9, the
-metrics listener's 30 s trap)."""
+keep-alive timeout when a scrape is late: each scrape must still succeed (the metrics
+listener's 30 s trap)."""
 
 from __future__ import annotations
 

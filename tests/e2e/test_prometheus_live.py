@@ -57,7 +57,7 @@ def test_dashboard_queries_against_a_live_overloaded_pair(
 ) -> None:
     # The slow model makes parks last seconds, so a 1 s scrape sees parked RAM > 0.  The
     # interval is longer than every idle timeout of the sidecar's metrics listener, so
-    # each scrape finds its kept-alive connection closed (issue 9).
+    # each scrape finds its kept-alive connection closed.
     up = run_preempting_up("--model", str(slow_model), *OVERFLOW_ARGS, "--", "-t", "1",
                            env=SHORT_METRICS_TIMEOUTS)  # fmt: skip
     config = scrape_config(f"127.0.0.1:{up.metrics_port}", f"127.0.0.1:{up.server_port}",
@@ -79,7 +79,7 @@ def test_dashboard_queries_against_a_live_overloaded_pair(
         assert float(parks[0]["value"][1]) >= 1
         resumes = prom.wait_for("max_over_time(llamacpp:n_resume_total[5m])")
         assert float(resumes[0]["value"][1]) >= 1
-        # The sidecar saw the same parks on the streams (': preempted' notices, patch 0003).
+        # The sidecar saw the same parks on the streams (': preempted' notices).
         sidecar_parks = prom.wait_for("max_over_time(llama_sidecar_parks_total[5m])")
         assert float(sidecar_parks[0]["value"][1]) == float(parks[0]["value"][1])
         ram = prom.wait_for("max_over_time(llamacpp:preempt_ram_bytes[5m])")

@@ -1,4 +1,5 @@
-"""What already held when issue 9 was filed, pinned down so that it stays held.
+"""What already held before the sidecar was hardened against hostile input, pinned down so
+that it stays held.
 
 Request smuggling (each variant hides a second request, ``/smuggled``, that must never
 reach upstream), API-key bypass attempts, header floods, slowloris, and keepalive

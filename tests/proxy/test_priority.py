@@ -1,4 +1,4 @@
-"""The sidecar sets the operator's request priority on JSON completion bodies (issue 14)."""
+"""The sidecar sets the operator's request priority on JSON completion bodies."""
 
 from __future__ import annotations
 
