@@ -240,20 +240,22 @@ def test_no_unpaired_park_when_a_sibling_ends_the_stream(start_server: StartServ
 
 
 def test_two_families_that_overflow_together_both_finish(start_server: StartServer) -> None:
-    """Two n_cmpl 2 requests that each fit the pool alone (8 shared + 2 x 200 cells) but not
+    """Two n_cmpl 2 families that each fit the pool alone (8 shared + 2 x 200 cells) but not
     together. Family members share their prompt's cells, so one is never parked alone; with
     nothing else to park, both families used to get the context error. A whole family is
-    parked instead, and both end with the answers they get alone."""
+    parked instead, and both end with the answers they get alone. The families are the two
+    prompts of one request, so they start in the same iteration on a machine of any speed (as
+    two requests, a busy machine could finish the first before the second arrived)."""
     srv = start_server(args=[*BASE, *PARK, "-c", "512", "-np", "4"])
-    bodies = [body(token_prompt(8, 60 + i), 200, n_cmpl=2) for i in range(2)]
-    solo = [parse_stream(streamed(srv.url, b))[2] for b in bodies]
-    runs = [Background(lambda b=b: streamed(srv.url, b)) for b in bodies]
-    parks = 0
-    for run, alone in zip(runs, solo, strict=True):
-        res: Response = run.result(300)
-        finals = assert_complete(res, 2, [8], 200, multi_prompt=False, family=True)
-        assert parse_stream(res)[2] == alone
-        parks += sum(f["preempt"]["parks"] for f in finals.values())
+    prompts = [token_prompt(8, 60 + i) for i in range(2)]
+    solo = [parse_stream(streamed(srv.url, body(p, 200, n_cmpl=2)))[2] for p in prompts]
+    res = streamed(srv.url, body(prompts, 200, n_cmpl=2))
+    # results are numbered family by family: the first family's two, then the second's
+    finals = assert_complete(res, 4, [8], 200, multi_prompt=False, family=True)
+    tokens = parse_stream(res)[2]
+    for i, alone in enumerate(solo):
+        assert {j: tokens[2 * i + j] for j in range(2)} == alone, i
+    parks = sum(f["preempt"]["parks"] for f in finals.values())
     assert parks >= 2, "no family was parked"  # a family is parked whole: both of its members
     m = wait_settled(srv.url)
     assert m["n_resume_total"] == m["n_preempt_total"]
