@@ -1,4 +1,4 @@
-"""What request priority buys a high-priority request under overload (issue 14).
+"""What request priority buys a high-priority request under overload.
 
     python -m benchmarks.priority_bench [--rounds N] [--json FILE]
 
