@@ -27,13 +27,14 @@ up: build
 
 # Everything: the venv, both builds (patched and stock, cached after the first run), all tests.
 # They run on PYTEST_WORKERS pytest-xdist workers (0: in this process), a test file per worker at
-# a time so that a module's shared fixtures (a server, a stack) start once; then the tests marked
-# `serial` (a throughput or timing precondition) run one at a time with the CPUs to themselves.
+# a time so that a module's shared fixtures (a server, a stack) start once, the longest files first
+# (tests/conftest.py); then the tests marked `serial` (a throughput or timing precondition) run one
+# at a time with the CPUs to themselves.
 # Both parts always run; a part that selects nothing (PYTEST_ARGS narrowed it) is not a failure
 # unless the other selects nothing too.
 PYTEST_WORKERS ?= 2
 test: build build-stock
-	@$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --part parallel $(PYTEST_ARGS); a=$$?; \
+	@$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --part parallel $(PYTEST_ARGS); a=$$?; \
 	$(PY) -m pytest --part serial $(PYTEST_ARGS); b=$$?; \
 	if [ $$a -eq 5 ] && [ $$b -ne 5 ]; then a=0; fi; \
 	if [ $$b -eq 5 ] && [ $$a -ne 5 ]; then b=0; fi; \

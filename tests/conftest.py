@@ -28,7 +28,31 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )  # fmt: skip
 
 
+# The files that take longest (worker-seconds on an idle two-core machine, longest first). With
+# `--dist loadfile --no-loadscope-reorder` xdist hands files to the workers in collection order, so
+# these go first and the short ones fill the gaps at the end: a long file handed out last would run
+# alone while the other worker idles. Only an order: a stale or missing entry costs time, not tests.
+LONGEST_FIRST = (
+    "tests/ui/test_chat_page.py",
+    "tests/clients/test_clients.py",
+    "tests/server/test_preempt_pool.py",
+    "tests/server/test_preempt_liveness.py",
+    "tests/server/test_preempt_fuzz.py",
+    "tests/server/test_preempt_defects.py",
+    "tests/tooling/test_build_ui.py",
+    "tests/server/test_preempt_multimodal.py",
+    "tests/server/test_preempt_kv.py",
+    "tests/proxy/test_lifecycle.py",
+)
+
+
+def _longest_first(item: pytest.Item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return LONGEST_FIRST.index(path) if path in LONGEST_FIRST else len(LONGEST_FIRST)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=_longest_first)  # stable: the rest keep their order
     part = config.getoption("--part")
     if part is None:
         return
