@@ -26,13 +26,14 @@ up: build
 	$(VENV)/bin/llama-sidecar up $(UP_ARGS)
 
 # Everything: the venv, both builds (patched and stock, cached after the first run), all tests.
-# They run on PYTEST_WORKERS pytest-xdist workers (0: in this process), a test file per worker at
-# a time so that a module's shared fixtures (a server, a stack) start once, the longest files first
-# (tests/conftest.py); then the tests marked `serial` (a throughput or timing precondition) run one
-# at a time with the CPUs to themselves.
+# They run on PYTEST_WORKERS pytest-xdist workers (0: in this process), a test file per worker at a
+# time so that a module's shared fixtures (a server, a stack) start once, the longest files first
+# (tests/conftest.py); three on two cores, since the tests mostly wait on servers and streams (an
+# idle 2-core machine: 250 s of tests on three, 299 s on two). Then the tests marked `serial` (a
+# throughput or timing precondition) run one at a time with the CPUs to themselves.
 # Both parts always run; a part that selects nothing (PYTEST_ARGS narrowed it) is not a failure
 # unless the other selects nothing too.
-PYTEST_WORKERS ?= 2
+PYTEST_WORKERS ?= 3
 test: build build-stock
 	@$(PY) -m pytest -n $(PYTEST_WORKERS) --dist loadfile --no-loadscope-reorder --part parallel $(PYTEST_ARGS); a=$$?; \
 	$(PY) -m pytest --part serial $(PYTEST_ARGS); b=$$?; \
