@@ -1,4 +1,4 @@
-"""Client helpers for the KV preemption tests and benchmarks (issue 4).
+"""Client helpers for the KV preemption tests and benchmarks.
 
 Small synchronous wrappers around llama-server's HTTP API: completions (streamed or not) that
 record everything a test needs to compare runs, Prometheus metrics parsed into a dict, /slots,
@@ -35,7 +35,7 @@ PARK = ["--preempt-ram", "8192"]
 # rotation test does not depend on how many tokens the model makes in 2 s
 ROTATE_NOW = {"LLAMA_SERVER_PREEMPT_ROTATE_S": "0"}
 
-# log lines with stable prefixes (PREEMPTION.md section 9)
+# log lines with stable prefixes (docs/preemption.md, "Observability")
 PARK_LINE = "preempted: "
 RESUME_LINE = "resumed after "
 ON_REQUEST_LINE = "preempted on request after "

@@ -1,4 +1,4 @@
-"""Patch 0001: the fixed-deadline wait (PREEMPTION.md §11).
+"""The fixed-deadline wait in `server_response::recv_with_timeout`.
 
 Stream A generates while stream B prefills a long prompt in 64-token batches. B's stream
 opens when its slot starts, then B gets no result until its first token, while A's results

@@ -1,6 +1,7 @@
-"""Regression tests for the defects of issue 10 (KV preemption must never lose context).
+"""Regression tests for the defects a line-by-line review of the first series found (KV
+preemption must never lose context).
 
-Each test is the issue's reproducer, made independent of the model's speed where the issue used a
+Each test is the review's reproducer, made independent of the model's speed where it used a
 fixed delay: a request is sent when the server reports the state the reproducer needs (read from
 /slots), not after a sleep. Those run the "slow" generated model: the tiny one generates a few
 hundred tokens in a fraction of a second, shorter than a /slots poll on a busy machine. Every one
@@ -134,12 +135,12 @@ def assert_complete(res: Response, n_results: int, prompt_lens: list[int], n_pre
     return finals
 
 
-# defect 1 (and 2) --------------------------------------------------------------------------------
+# a re-parked replay, and its size after a recompute restore -----------------------------------
 
 
 def test_reparked_replay_keeps_what_is_left(start_server: StartServer) -> None:
     """Recompute parks with small batches: a slot re-filling after a recompute park is parked
-    again before its refill ends. It must resume the rest of its refill, not lose it (the issue
+    again before its refill ends. It must resume the rest of its refill, not lose it (the review
     saw index 0 end with tokens_cached=208 instead of 247, the response saying nothing)."""
     srv = start_server(args=[*BASE, *PARK, "-c", "256", "-np", "4", "-b", "8", "-ub", "8"],
                        env={"LLAMA_SERVER_PREEMPT_FAIL_SAVE": "1"})
@@ -173,7 +174,7 @@ def test_recompute_restore_keeps_the_slot_size(start_server: StartServer) -> Non
     assert_complete(res, 4, [8] * 4, 200, multi_prompt=True)
 
 
-# defect 10 -----------------------------------------------------------------------------------
+# a family and parking ------------------------------------------------------------------------
 
 
 def test_an_n_cmpl_family_does_not_block_parking(start_server: StartServer,
@@ -192,13 +193,13 @@ def test_an_n_cmpl_family_does_not_block_parking(start_server: StartServer,
     assert m["n_resume_total"] == m["n_preempt_total"]
 
 
-# defect 11 -----------------------------------------------------------------------------------
+# a stale n_cmpl child ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("preempt", [False, True], ids=["preempt-off", "preempt-on"])
 def test_n_cmpl_child_with_stale_cells(start_server: StartServer, preempt: bool) -> None:
     """An n_cmpl child given a slot that still caches the previous request's cells. Stock
-    llama-server answers "Invalid input batch." (500); the series fixes it (patch 0008)."""
+    llama-server answers "Invalid input batch." (500); the series' n_cmpl child patch fixes it."""
     args = [*BASE, "-c", "256", "-np", "2", "-b", "512", "-ub", "512"]
     srv = start_server(args=[*args, *(PARK if preempt else [])])
     first = streamed(srv.url, body(token_prompt(8, 3), 248, cache_prompt=True))
@@ -261,7 +262,7 @@ def test_two_families_that_overflow_together_both_finish(start_server: StartServ
     assert m["n_resume_total"] == m["n_preempt_total"]
 
 
-# defect 7 ------------------------------------------------------------------------------------
+# admission behind the parked line ------------------------------------------------------------
 
 
 def test_admission_waits_behind_a_parked_head(start_server: StartServer, slow_model: Path) -> None:
@@ -289,7 +290,7 @@ def test_admission_waits_behind_a_parked_head(start_server: StartServer, slow_mo
     wait_settled(srv.url)
 
 
-# defect 13 -----------------------------------------------------------------------------------
+# --preempt-ram values ------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("value", ["0.05", "1.5", "abc", "8M", "-2", ""])
@@ -332,7 +333,7 @@ def test_the_effective_setting_is_echoed(start_server: StartServer, args: list[s
     wait_for(lambda: echo in srv.log_text(), timeout=10, what=f"{echo!r} in the log")
 
 
-# defect 14 -----------------------------------------------------------------------------------
+# one slot ------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("stream", [True, False], ids=["stream", "non-stream"])
@@ -350,7 +351,7 @@ def test_one_slot_still_carries_a_preempt_record(start_server: StartServer, stre
     assert final["preempt"] == {"parks": 0, "recomputes": 0}
 
 
-# defect 3 ------------------------------------------------------------------------------------
+# a family's shared prompt --------------------------------------------------------------------
 
 
 def test_family_cells_are_counted_once(start_server: StartServer, slow_model: Path) -> None:
@@ -371,7 +372,7 @@ def test_family_cells_are_counted_once(start_server: StartServer, slow_model: Pa
     assert m["n_preempt_total"] == 0, m
 
 
-# defect 4 ------------------------------------------------------------------------------------
+# a restore and the draft ---------------------------------------------------------------------
 
 
 def test_restore_admission_counts_the_draft(start_server: StartServer, tiny_model: Path) -> None:
@@ -388,7 +389,7 @@ def test_restore_admission_counts_the_draft(start_server: StartServer, tiny_mode
     assert metrics(srv.url)["n_resume_total"] == m["n_preempt_total"]
 
 
-# item 8: a multi-prompt non-streamed OAI response --------------------------------------------
+# a multi-prompt non-streamed OAI response ----------------------------------------------------
 
 
 def test_merged_oai_response_sums_the_preempt_records(start_server: StartServer) -> None:

@@ -29,7 +29,8 @@ and after the run: the server is alive, `requests_preempted == 0`, `preempt_ram_
 token are bounded. A livelock is a failure within seconds (the clients are cut, the message
 names what the server did instead of generating), never a hung suite. Seeds with forced swap parks
 also run one request alone on the same server and on a server without the knob: the tokens must
-be byte-identical (one request at a time keeps the batch shape, PREEMPTION.md section 11).
+be byte-identical (one request at a time keeps the batch shape: docs/benchmarks.md, "How far
+greedy logprobs move with the batch shape").
 
 Two generators: "classic" draws exactly the plans the harness drew before the mixed one existed
 (so an old seed number still names the same workload), "mixed" (the default for ranges) starts
@@ -114,7 +115,7 @@ CLASSIC_SEEDS = [13, 25, 50, 81, 107, 151, 297, 354]
 MIXED_SEEDS = [0, 1085, 39, 78, 105, 204, 976, 1335, 4795, 746]
 DEFAULT_CASES = [("classic", s) for s in CLASSIC_SEEDS] + [("mixed", s) for s in MIXED_SEEDS]
 
-MARGIN = 8  # the planner's margin (PREEMPTION.md section 3)
+MARGIN = 8  # cells the planner keeps free beyond the next step
 IMAGE_CELLS = 16  # the generated LLaVA-style projector: any image is 16 cells
 
 

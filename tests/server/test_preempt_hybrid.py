@@ -1,4 +1,4 @@
-"""KV preemption with a hybrid cache: attention cells plus a recurrent state (issue 10, item 9).
+"""KV preemption with a hybrid cache: attention cells plus a recurrent state.
 
 A hybrid model keeps two kinds of memory per sequence: attention K/V cells that grow with the
 context and a fixed-size recurrent state. A park must take both and a restore must put both back,
@@ -163,7 +163,7 @@ def test_parks_keep_the_hybrid_checkpoints(start_server: StartServer, jamba_mode
     """A recurrent state cannot be cut back, so a next turn that leaves the cached tokens early
     resumes from a context checkpoint made during the first prompt. A park must leave those
     checkpoints usable (a recompute re-fills the very tokens they were taken from): the next turn
-    reuses as much of its prompt as on a server that never parked (issue 10, item 8)."""
+    reuses as much of its prompt as on a server that never parked."""
     args = [*BASE, *PARK, "-c", "512", "-np", "2"]
     env = {"LLAMA_SERVER_PREEMPT_EVERY": "8"}
     if fail_save:

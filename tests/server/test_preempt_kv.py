@@ -1,4 +1,4 @@
-"""Patches 0002-0006: KV preemption (PREEMPTION.md sections 1-9, issue 4).
+"""KV preemption: park, restore, the planner and the last resort (docs/preemption.md).
 
 Every test runs the built server with a generated random-weight model. Generations use greedy
 sampling with `ignore_eos`, so a request produces exactly `n_predict` tokens, and concurrent

@@ -1,5 +1,5 @@
-"""KV preemption of a request served with a LoRA adapter (issue 10, item 1: the replay of a
-recompute goes through the prompt path, aLoRA included).
+"""KV preemption of a request served with a LoRA adapter (the replay of a recompute goes
+through the prompt path, aLoRA included).
 
 An activated LoRA (aLoRA) changes what the cells of a prompt hold: llama-server decodes the part
 before the adapter's invocation tokens without the adapter and the rest with it. A park by

@@ -1,4 +1,4 @@
-"""KV preemption with images in the prompt (issue 10, item 5).
+"""KV preemption with images in the prompt.
 
 A slot whose prompt holds an image keeps, beside text cells, cells decoded from the image's
 embedding rows: they cannot be re-made from token ids. A park by swap copies them out and back
@@ -224,7 +224,7 @@ def test_an_image_slot_is_never_parked_by_recompute(start_server: StartServer,
 def test_a_text_slot_beside_an_mmproj_is_parked_by_recompute(start_server: StartServer,
                                                              pair: Pair) -> None:
     """The refusal is for slots that hold an image, not for every slot of a server with an mmproj
-    loaded (issue 10: text-only slots then fell back to the context error): a text-only request
+    loaded (text-only slots once fell back to the context error there): a text-only request
     there is parked by recompute each 8 tokens and gives the tokens of an unparked run."""
     args = pair.args("-c", "1024", "-np", "2")
     plain = start_server(model=pair.text, args=args)
@@ -300,7 +300,7 @@ def test_image_prompts_prefilled_in_chunks_overflowing_together(start_server: St
                                                                 image_first: bool) -> None:
     """Two long prompts with an image each, prefilled in 64-token batches, that fit the pool one
     at a time but not together. The batch builder decodes an image chunk on its own, on top of
-    the batch: the planner must make room for it too (issue 10 item 5), or the image's decode
+    the batch: the planner must make room for it too, or the image's decode
     fails ("failed to process mtmd chunk"). With the planner off the retry ladder's last resort
     meets a prompt in progress whose cells hold an image, and its rewind must not cut the image
     (with M-RoPE a cut counted in positions lands inside an image: it threw out of decode() and

@@ -1,4 +1,4 @@
-"""Patch 0007: park notices on streams (PREEMPTION.md section 10, issue 5).
+"""Park notices on streams (the stream-notices patch; docs/preemption.md, "Stream notices").
 
 Streams are read raw with `tests.support.llama.stream_sse`, which keeps comment lines (SSE
 clients hide them) and timestamps every line. The data of a stream must be the same with and

@@ -1,4 +1,4 @@
-"""Patches 0010 and 0012: parked states live in a reused host buffer pool (issue 11).
+"""Parked states live in a reused host buffer pool, prefaulted, and copied on the batch threads.
 
 A park serializes the slot's sequence into a block of a pool owned by the preemption mechanism
 (pre-faulted, pinned on builds with a GPU device) instead of a fresh allocation; the block goes
@@ -8,13 +8,13 @@ model), what the pool promises (reuse, never above `--preempt-ram`, nothing held
 its failure path (a block that cannot be allocated means a recompute park, logged). No timing is
 asserted: the speed is measured by `benchmarks/preempt_bench.py --only swap`.
 
-Patch 0012: when a park is likely soon (a forced park is coming, or the pool is filling and the
+Prefault: when a park is likely soon (a forced park is coming, or the pool is filling and the
 planner has a victim), a background thread faults in a block for it beforehand, so that the
 first park of a busy period does not fault in its block on the main loop. The prefaulted block
 is an ordinary pool block once adopted: it counts toward `--preempt-ram` and the gauge, and it
 goes back to the OS when idle.
 
-Patch 0014: a large state's copy is split over the batch threads (-tb); the bytes that land must
+Copy threads: a large state's copy is split over the batch threads (-tb); the bytes that land must
 be the same.
 """
 
@@ -128,7 +128,7 @@ def test_forced_parks_through_the_pool_change_nothing(
     assert got.preempt["recomputes"] == 0, got.preempt
     m, log = settled_log(forced)
     # a tiny model's state (target and draft) fits one 2 MiB block: it is prefaulted before the
-    # first park (0012), which takes it, and every later park reuses it
+    # first park, which takes it, and every later park reuses it
     pool_lines = [ln for ln in log.splitlines() if "host pool" in ln]
     assert log.count(PREFAULTED_LINE) == 1, pool_lines
     assert NEW_BLOCK_LINE not in log, pool_lines
@@ -149,7 +149,7 @@ SPLIT_PROMPT = {"f16": 380, "f32": 200, "q8_0": 700, "f16-no-fa": 380}
 def test_state_copies_split_over_threads_change_nothing(
     start_server: StartServer, slow_model: Path, kv: str
 ) -> None:
-    """Patch 0014: with two batch threads (-tb 2) a state of 8 MiB or more is copied in two
+    """With two batch threads (-tb 2) a state of 8 MiB or more is copied in two
     shares at once, each cutting a K run or (flash attention off) the V rows wherever its bytes
     end; the restored slot must go on exactly as without parks."""
     args = [*BASE, *PARK, "-tb", "2", "-c", "2048", "-np", "2", *KV_TYPES[kv]]
@@ -271,7 +271,7 @@ def test_failed_pool_allocation_parks_by_recompute(start_server: StartServer) ->
 def test_a_growing_state_grows_its_block(start_server: StartServer, slow_model: Path) -> None:
     # slow model, ~24 KiB per cell: parked every 8 tokens from 72 to 128 cells, the state outgrows
     # its first block (1.7 MiB + 1/8 -> 2 MiB); the cached block grows instead of a new one. The
-    # background prefault (0012) is off: it would size the block for the coming parks itself
+    # background prefault is off: it would size the block for the coming parks itself
     args = [*BASE, *PARK, "-c", "512", "-np", "2"]
     plain = start_server(model=slow_model, args=args)
     forced = start_server(

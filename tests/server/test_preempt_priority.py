@@ -1,4 +1,4 @@
-"""Request priority for KV preemption (issue 14): who is parked and who comes back first.
+"""Request priority for KV preemption: who is parked and who comes back first.
 
 The planner ranks requests by their `priority` (default 0, higher is more important): victims go
 lowest first, restores highest first, and a request parked `--preempt-aging` seconds in total

@@ -1,4 +1,4 @@
-"""KV preemption with a pure recurrent model (issue 10, item 9).
+"""KV preemption with a pure recurrent model.
 
 A recurrent cache (Mamba) holds one fixed-size state per sequence, not cells that grow with the
 context: there is nothing to park. With --preempt-ram set, such a server must say once at load

@@ -1,4 +1,4 @@
-"""KV preemption with speculative decoding (a draft model): issue 4's scope.
+"""KV preemption with speculative decoding (a draft model).
 
 A park drops the slot's pending draft (a prediction, not a result) and saves and restores the
 draft context's sequence together with the target's. The tiny model drafts for itself here,
@@ -82,7 +82,7 @@ def test_a_last_resort_in_a_shift_s_iteration_neither_saves_nor_recomputes(
 ) -> None:
     """A context shift reaches the draft context only when it mirrors a batch the target
     decoded, so after a refused decode (the last resort's case) the draft's shift is still
-    pending: saved then, its K would come back unrotated (patch 0013). Such a slot was parked by
+    pending: saved then, its K would come back unrotated. Such a slot was once parked by
     recompute instead, but a slot that has shifted is never recomputed (its kept cells carry
     what the discarded tokens contributed; a replay changed its answer): it can be neither
     saved nor recomputed, so the last resort rebuilds the batch once for that shift before it
