@@ -23,6 +23,7 @@ import httpx
 from tests.support.llama import parse_metrics
 from tests.support.procs import wait_until
 from tests.support.sse_client import iter_lines
+from tests.support.tinymodel import TEXT_TOKENS
 
 CONTEXT_ERROR = "Context size has been exceeded."
 # a swap park's log line: the state's MiB and the ms its save took
@@ -262,8 +263,8 @@ def wait_settled(url: str, timeout: float = 30.0) -> dict[str, float]:
 
 
 # the generated test models' vocabulary: 3 specials, 256 byte tokens, then the text pieces
-FIRST_TEXT_TOKEN = 259
-LAST_TEXT_TOKEN = 447
+FIRST_TEXT_TOKEN = TEXT_TOKENS[0]
+LAST_TEXT_TOKEN = TEXT_TOKENS[-1]
 
 
 BAN_BYTE_TOKENS = [[i, False] for i in range(3, FIRST_TEXT_TOKEN)]

@@ -22,8 +22,7 @@ from pathlib import Path
 
 import httpx
 
-# the generated test models' text pieces (ids 259-447): any of them make a prompt
-TEXT_TOKENS = range(259, 448)
+from tests.support.tinymodel import TEXT_TOKENS
 
 PARK_RE = re.compile(r"task (\d+) \| (preempted: |resumed after )")
 

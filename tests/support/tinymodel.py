@@ -70,6 +70,11 @@ def _vocab() -> tuple[list[str], list[float], list[int]]:
     return tokens, scores, types
 
 
+# the ids of the vocabulary's text pieces (after the three specials and the 256 byte tokens),
+# 259-447: any sequence of them is a prompt
+TEXT_TOKENS = range(3 + 256, len(_vocab()[0]))
+
+
 def add_vocab(w: Any) -> None:
     """The shared test vocabulary and its llama tokenizer settings, on a ``gguf.GGUFWriter``."""
     tokens, scores, types = _vocab()
