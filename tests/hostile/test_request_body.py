@@ -142,6 +142,7 @@ async def test_a_body_larger_than_the_buffer_spills_and_arrives_intact(
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # the same loop-stall bound as the fairness tests
 def test_a_chunk_flood_stalls_no_other_stream() -> None:
     """50,000 one-byte chunks per upload, two uploaders back to back, during a park.
 
