@@ -22,7 +22,9 @@ PARK_S = 4.0
 PARK_KEEPALIVE = 0.5
 # The longest a turn of the sidecar's loop may take, its waits for a CPU left out.  The
 # stalls this guards against were 1.4 to 6 s (a 30 MiB parse holding the GIL, 50,000
-# chunks parsed without yielding); 170 hostile clients connecting at once cost about 0.1 s.
+# chunks parsed without yielding) and 0.1 to 0.7 s (30 MiB bodies written upstream in one
+# step each when upstream read as fast: on an idle machine); 170 hostile clients connecting
+# at once cost about 0.1 s.
 STALL_BOUND = 0.25
 # How many of each hostile client run at once.
 HOSTILE = {
