@@ -87,8 +87,10 @@ for i in "${!commits[@]}"; do
     rc=$?
     line="$line; upstream suite: $(grep -E '^patched \(' "$out/$tag-upstream.log" | sed 's/^patched ([^)]*): //') rc=$rc"
     [ "$rc" = 0 ] || status=1
-    git -C "$dir" log --format=%s "pristine..$c" | grep -q 'fixed-deadline wait' && deadline=1 || deadline=0
-    git -C "$dir" log --format=%s "pristine..$c" | grep -q 'options on the command line' && preempt=1 || preempt=0
+    # the subjects first, then grep: `git log | grep -q` under pipefail fails when grep stops reading early
+    subjects=$(git -C "$dir" log --format=%s "pristine..$c")
+    grep -q 'fixed-deadline wait' <<< "$subjects" && deadline=1 || deadline=0
+    grep -q 'options on the command line' <<< "$subjects" && preempt=1 || preempt=0
     if [ "$preempt" = 1 ]; then
         # as make test runs them: the parallel part on two workers, then the serial part alone
         # test_build_script.py checks build_llama.sh's cache of its own build, not this one
