@@ -34,7 +34,6 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 # alone while the other worker idles. Only an order: a stale or missing entry costs time, not tests.
 LONGEST_FIRST = (
     "tests/ui/test_chat_page.py",
-    "tests/clients/test_clients.py",
     "tests/server/test_preempt_pool.py",
     "tests/server/test_preempt_liveness.py",
     "tests/server/test_preempt_fuzz.py",
